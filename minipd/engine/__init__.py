@@ -1,0 +1,1 @@
+"""Running requests: validation, the generation loop and its metrics."""

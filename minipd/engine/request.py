@@ -1,0 +1,92 @@
+"""A request inside the engine: its prompt, parameters, generated tokens, text and finish state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minipd.outputs import RequestMetrics, RequestOutput
+from minipd.sampling_params import SamplingParams
+from minipd.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Request:
+    """Everything the engine tracks for one request from arrival to finish."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def max_total_len(self) -> int:
+        """The most tokens (prompt and output) this request can ever hold."""
+        return min(self.max_model_len, len(self.prompt_token_ids) + self.params.max_tokens)
+
+    def append_token(self, token_id: int, now: float) -> str:
+        """Record a new token; return its text delta and set ``finish_reason`` when the request ends."""
+        self.token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        delta = self.detokenizer.add(token_id)
+        params = self.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self._finish("stop", token_id, now)
+            return ""
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            self._finish("stop", token_id, now)
+            return ""
+        if delta and params.stop_strings:
+            delta = self._cut_at_stop_string(delta, now)
+        else:
+            self.text += delta
+        if self.finish_reason is None and (len(self.token_ids) >= params.max_tokens
+                                           or len(self.prompt_token_ids) + len(self.token_ids) >= self.max_model_len):
+            self._finish("length", None, now)
+        return delta
+
+    def _cut_at_stop_string(self, delta: str, now: float) -> str:
+        # A stop string may straddle the old text and the delta, so search a window that covers both.
+        longest = max(len(s) for s in self.params.stop_strings)
+        start = max(0, len(self.text) - longest + 1)
+        window = self.text[start:] + delta
+        hits = [(window.find(s), s) for s in self.params.stop_strings if s in window]
+        if not hits:
+            self.text += delta
+            return delta
+        offset, stop = min(hits)
+        cut = start + offset
+        emitted = max(0, cut - len(self.text))
+        self.text = (self.text + delta)[:cut]
+        self._finish("stop", stop, now)
+        return delta[:emitted]
+
+    def _finish(self, reason: str, stop_reason: str | int | None, now: float) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finish_time = now
+
+    def to_output(self) -> RequestOutput:
+        """A snapshot of the request as the public :class:`RequestOutput`."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.token_ids),
+            text=self.text,
+            finish_reason=self.finish_reason,
+            metrics=self.metrics,
+            stop_reason=self.stop_reason,
+        )

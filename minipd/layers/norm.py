@@ -1,0 +1,30 @@
+"""RMSNorm: scale each vector to unit root-mean-square, then by a learned per-channel weight."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise the last dimension of ``x`` by its root mean square.
+
+    The statistics are taken in fp32 whatever the input dtype, as HF's Llama does, so bf16 runs
+    stay close to fp32 ones.
+    """
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """:func:`rms_norm` with its weight as a parameter."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

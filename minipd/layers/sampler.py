@@ -1,0 +1,62 @@
+"""Turning logits into the next token: greedy, temperature, top-k and top-p (nucleus) sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minipd.sampling_params import SamplingParams
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and outside its top-p nucleus.
+
+    ``top_k`` (B,) uses -1 for "all tokens"; ``top_p`` (B,) keeps the smallest set of most likely
+    tokens whose probabilities sum to at least ``top_p`` (the most likely token always stays).
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab).to(logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.to(logits.device)[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution one request samples from, for a (V,) or (B, V) logits tensor (temperature > 0)."""
+    rows = logits.reshape(-1, logits.shape[-1]).float() / temperature
+    n = rows.shape[0]
+    filtered = top_k_top_p_filter(rows, torch.full((n,), top_k), torch.full((n,), float(top_p)))
+    return filtered.softmax(dim=-1).reshape(logits.shape)
+
+
+def sample_next_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One next token per row of ``logits`` (B, V), each row under its own parameters and generator.
+
+    Sampling uses the exponential-race form of a categorical draw (argmax of p / Exp(1)), which
+    needs no CPU synchronisation and gives the same token for the same generator state.
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not sampled_rows:
+        return greedy
+    idx = torch.tensor(sampled_rows, device=logits.device)
+    rows = logits[idx] / torch.tensor([params[i].temperature for i in sampled_rows],
+                                      device=logits.device)[:, None]
+    top_k = torch.tensor([params[i].top_k for i in sampled_rows])
+    top_p = torch.tensor([params[i].top_p for i in sampled_rows])
+    probs = top_k_top_p_filter(rows, top_k, top_p).softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(sampled_rows):
+        noise[j].exponential_(generator=generators[i])
+    greedy[idx] = (probs / noise).argmax(dim=-1)
+    return greedy

@@ -1,0 +1,108 @@
+"""One decoder-only transformer covering Llama, Mistral, Qwen2, Qwen3 and Mixtral.
+
+The families differ in a few switches read from :class:`~minipd.config.ModelConfig`: q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral), llama3 RoPE
+scaling, tied embeddings, and a routed mixture of experts in place of the MLP (Mixtral).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minipd.config import ModelConfig
+from minipd.kv.contiguous import KVCache
+from minipd.layers.attention import attention
+from minipd.layers.mlp import SwiGLU
+from minipd.layers.moe import MoE
+from minipd.layers.norm import RMSNorm
+from minipd.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention with RoPE; q, k and v come from one fused projection."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            # K and V are kept for every later token; Q is used once, right here, and dropped.
+            k, v = cache.append(self.layer_idx, k, v)
+        out = attention(q, k, v, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe:
+            self.mlp: nn.Module = MoE(config.hidden_size, config.intermediate_size, config.num_experts,
+                                      config.num_experts_per_tok)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, a stack of :class:`DecoderLayer`, a final norm and the LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Hidden states (T, hidden) for ``input_ids`` (T,) at ``positions`` (T,).
+
+        With a cache, the new tokens' K/V are appended to it and the queries attend to everything
+        cached before them, so prefill (many tokens) and decode (one token) are the same call.
+        """
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        if cache is not None:
+            cache.advance(input_ids.shape[0])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from final hidden states, in fp32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,83 @@
+"""What a finished (or streaming) request returns: :class:`RequestOutput` and its metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.perf_counter`` seconds) of one request's life and the latencies they give.
+
+    TTFT (time to first token) is set by prefill; TPOT (time per output token) by decode.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    #: When each output token was produced, in order.
+    token_times: list[float] = field(default_factory=list)
+    #: How many prompt tokens were computed by prefill.
+    prefill_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Seconds between consecutive output tokens (one fewer than the tokens)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first; None with fewer than two tokens."""
+        gaps = self.inter_token_latencies
+        return sum(gaps) / len(gaps) if gaps else None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request, in the order the prompts were given.
+
+    ``finish_reason`` is ``"stop"`` (end-of-sequence, a stop token or a stop string) or
+    ``"length"`` (max_tokens or the model's context reached); None while still streaming.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+    #: The stop string or stop token id that ended the request, if one did.
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the request has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One step of a streamed request: the new token and the text it completed."""
+
+    request_id: str
+    token_id: int
+    #: Text that became printable with this token (may be empty while a character is incomplete).
+    text: str
+    finish_reason: str | None
+    #: The whole request so far; final once ``finish_reason`` is set.
+    output: RequestOutput

@@ -1,0 +1,58 @@
+"""Text <-> token ids through ``transformers.AutoTokenizer``, plus incremental detokenization.
+
+transformers is imported only when a tokenizer is loaded, so ``import minipd`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Tokenizer:
+    """The model folder's HF tokenizer with the few calls the engine needs."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(folder))
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for ``text``, with the special tokens (e.g. BOS) the model expects."""
+        return list(self.hf(text)["input_ids"])
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text for ``token_ids``; end-of-sequence and other special tokens are left out by default."""
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's end-of-sequence id, if it has one."""
+        return self.hf.eos_token_id
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything each time.
+
+    Byte-level tokens can end in the middle of a UTF-8 character, and some tokenizers change how a
+    token renders depending on the one before; so each step decodes a short window that starts a
+    few tokens back and emits only what is new and complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completed ("" while a character is unfinished)."""
+        self.token_ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = decode(self.token_ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return after[len(before):]
+        return ""

@@ -1,0 +1,64 @@
+"""Tiny random models and a tiny tokenizer, made with transformers, for tests that must not download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nimport sys\n\nclass Path:\n    pass\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello, world! The quick brown fox jumps over the lazy dog. é ü 漢字",
+] * 20
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer with ``VOCAB`` ids, saved so AutoTokenizer loads it."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=VOCAB, min_frequency=1, special_tokens=["<eos>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<eos>", pad_token="<eos>")
+    tok.save_pretrained(folder)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
+
+def hf_config(family: str, tie: bool = False, **overrides):
+    """A small random config of ``family`` with grouped-query attention (4 query heads per KV head)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=tie, eos_token_id=0, bos_token_id=0, pad_token_id=0,
+                  # Larger weights make the logits peaked, so greedy choices are never near-ties.
+                  initializer_range=0.2)
+    extra = {
+        "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        "mistral": dict(sliding_window=24),
+        "qwen2": dict(),
+        "qwen3": dict(head_dim=16),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    }[family]
+    name = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+            "qwen3": "Qwen3Config", "mixtral": "MixtralConfig"}[family]
+    return getattr(transformers, name)(**{**common, **extra, **overrides})
+
+
+def make_hf_model(folder: Path, family: str, tie: bool = False, seed: int = 0, max_shard_size: str | None = None,
+                  **overrides):
+    """Build, save (with a tokenizer) and return a random HF model of ``family`` in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, tie, **overrides)).float().eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    save_tokenizer(folder)
+    return model
