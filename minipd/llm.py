@@ -95,7 +95,7 @@ class LLM:
             encoded.append((p if isinstance(p, str) else None, ids))
         now = time.perf_counter()
         requests = []
-        for (text, ids), p in zip(encoded, params):
+        for (text, ids), p in zip(encoded, params, strict=True):
             seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
             requests.append(Request(
                 request_id=str(next(self._request_ids)), prompt=text, prompt_token_ids=ids, params=p,

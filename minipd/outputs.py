@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 
 @dataclass
@@ -31,8 +32,7 @@ class RequestMetrics:
     @property
     def inter_token_latencies(self) -> list[float]:
         """Seconds between consecutive output tokens (one fewer than the tokens)."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in pairwise(self.token_times)]
 
     @property
     def tpot(self) -> float | None:

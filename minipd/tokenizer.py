@@ -45,13 +45,17 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def add(self, token_id: int) -> str:
-        """Append one token; return the text it completed ("" while a character is unfinished)."""
+    def add(self, token_id: int, last: bool = False) -> str:
+        """Append one token; return the text it completed.
+
+        While a character is unfinished the delta is "" and the bytes wait for the next token;
+        with ``last`` they are flushed as they are, so the deltas add up to ``decode(token_ids)``.
+        """
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
         before = decode(self.token_ids[self.prefix_offset:self.read_offset])
         after = decode(self.token_ids[self.prefix_offset:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        if len(after) > len(before) and (last or not after.endswith("\ufffd")):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
             return after[len(before):]

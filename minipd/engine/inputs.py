@@ -18,7 +18,8 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+        raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts must not be empty: pass at least one prompt")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):

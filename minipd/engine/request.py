@@ -40,22 +40,23 @@ class Request:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
-        delta = self.detokenizer.add(token_id)
         params = self.params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish("stop", token_id, now)
-            return ""
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        elif params.stop_token_ids and token_id in params.stop_token_ids:
             self._finish("stop", token_id, now)
-            return ""
-        if delta and params.stop_strings:
-            delta = self._cut_at_stop_string(delta, now)
-        else:
-            self.text += delta
-        if self.finish_reason is None and (len(self.token_ids) >= params.max_tokens
-                                           or len(self.prompt_token_ids) + len(self.token_ids) >= self.max_model_len):
+        elif len(self.token_ids) >= params.max_tokens or self.total_len >= self.max_model_len:
             self._finish("length", None, now)
+        delta = self.detokenizer.add(token_id, last=self.finish_reason is not None)
+        if delta and params.stop_strings:
+            return self._cut_at_stop_string(delta, now)
+        self.text += delta
         return delta
+
+    @property
+    def total_len(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.prompt_token_ids) + len(self.token_ids)
 
     def _cut_at_stop_string(self, delta: str, now: float) -> str:
         # A stop string may straddle the old text and the delta, so search a window that covers both.

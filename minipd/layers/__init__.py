@@ -8,9 +8,9 @@ from minipd.layers.rotary import RotaryEmbedding, apply_rotary, rotate_half
 from minipd.layers.sampler import sample_next_tokens
 
 __all__ = [
+    "MoE",
     "RMSNorm",
     "RotaryEmbedding",
-    "MoE",
     "SwiGLU",
     "apply_rotary",
     "attention",

@@ -1,0 +1,50 @@
+# minipd: `make lab` opens the course, `make test` runs every test and every notebook.
+# Override the interpreter or torch build, e.g. `make lab TORCH_SPEC=torch` for your platform's default
+# build (CUDA on Linux), or `make lab VENV=~/envs/minipd`.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+LAB_ARGS ?=
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.minipd-installed
+NOTEBOOKS := $(sort $(wildcard chapters/*.ipynb))
+
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install lab test lint unit notebooks nbval clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned, so nothing later pulls a different (multi-GB CUDA) build on its own.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The course in JupyterLab on the bundled model; headless machines get the URL printed instead of a browser.
+lab: install
+	$(PY) -m jupyter lab --notebook-dir=chapters $(if $(DISPLAY)$(filter Darwin,$(shell uname)),,--no-browser) $(LAB_ARGS)
+
+test: install lint unit nbval
+
+lint: install
+	$(PY) -m ruff check minipd tests scripts
+
+unit: install
+	$(PY) -m pytest tests
+
+nbval: install
+	$(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider $(NOTEBOOKS)
+
+# Re-execute every chapter in place (stored with outputs) and strip what should not be committed.
+notebooks: install
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace $(NOTEBOOKS)
+	$(PY) scripts/clean_notebooks.py $(NOTEBOOKS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,5 @@
+import sys
+
+from minipd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""Command line: ``python -m minipd generate "def fib(n):"`` and ``python -m minipd info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from minipd import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                                top_k=args.top_k, top_p=args.top_p)
+        llm = LLM(args.model, device=args.device)
+        stream = llm.stream(args.prompt, params)
+        sys.stdout.write(args.prompt)
+        last = None
+        for delta in stream:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            last = delta
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    assert last is not None
+    m = last.output.metrics
+    tpot = f"{m.tpot * 1e3:.2f} ms" if m.tpot is not None else "n/a (one token)"
+    print(f"\n\n[{len(last.output.token_ids)} tokens, finish: {last.finish_reason}] "
+          f"TTFT {m.ttft * 1e3:.1f} ms, TPOT {tpot}")
+    return 0
+
+
+def _info(_: argparse.Namespace) -> int:
+    import torch
+
+    import minipd
+    from minipd.device import default_device, default_dtype, kernel_backends
+    from minipd.models.registry import BUNDLED_MODELS, bundled_models_dir
+
+    device = default_device()
+    print(f"minipd {minipd.__version__}, torch {torch.__version__}")
+    print(f"device: {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}), "
+          f"dtype {str(default_dtype(device)).replace('torch.', '')}, {torch.get_num_threads()} threads")
+    print(f"bundled models ({bundled_models_dir()}):")
+    for name, about in BUNDLED_MODELS.items():
+        present = (bundled_models_dir() / name / "config.json").exists()
+        print(f"  {name:<12} {about}{'' if present else '  [missing]'}")
+    print("kernel backends:")
+    for name, state in kernel_backends().items():
+        print(f"  {name:<12} {state}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minipd", description="minipd: a small LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a continuation of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="tiny-py", help="bundled name, local HF folder or hub id (default tiny-py)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    gen.set_defaults(func=_generate)
+    info = sub.add_parser("info", help="bundled models, device and kernel backends")
+    info.set_defaults(func=_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m minipd`` and the ``minipd`` script."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
