@@ -1,13 +1,12 @@
 """The public entry point, in vLLM's shape: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
-In this first version each request runs through a plain prefill-then-decode loop over a contiguous
-KV cache; the engine-core chapters put a paged cache and a continuous-batching scheduler behind
-the same calls.
+``LLM`` loads the model and tokenizer and drives an :class:`~minipd.engine.engine.Engine`:
+a paged KV cache with prefix caching, and a continuous-batching scheduler with chunked prefill.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -16,14 +15,15 @@ import torch
 from tqdm.auto import tqdm
 
 from minipd.config import ModelConfig
-from minipd.engine.inputs import PromptInput, check_prompt_ids, normalize_params, normalize_prompts
-from minipd.engine.request import Request
-from minipd.kv.contiguous import ContiguousKVCache
-from minipd.layers.sampler import sample_next_tokens
+from minipd.engine.config import EngineConfig
+from minipd.engine.engine import Engine
+from minipd.engine.inputs import PromptInput, normalize_params, normalize_prompts
 from minipd.models.loading import load_model
-from minipd.outputs import RequestMetrics, RequestOutput, StreamDelta
+from minipd.outputs import RequestOutput, StreamDelta
 from minipd.sampling_params import SamplingParams
-from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
+from minipd.tokenizer import Tokenizer
+
+logger = logging.getLogger("minipd")
 
 
 class LLM:
@@ -35,15 +35,17 @@ class LLM:
         dtype: parameter and activation dtype; bf16 on CUDA and fp32 on CPU by default.
         max_model_len: cap on prompt plus output tokens; the model's context length by default.
         seed: seeds the random source of requests that give no ``SamplingParams.seed``.
+        **engine_options: :class:`~minipd.engine.config.EngineConfig` fields — ``block_size``,
+            ``num_kv_blocks``, ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
+            ``enable_prefix_caching``, ``scheduling_policy``, ``kernel_backend``.
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, max_model_len: int | None = None,
-                 seed: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, max_model_len: int | None = None, seed: int | None = None,
+                 **engine_options: object) -> None:
+        engine_config = EngineConfig.from_options(engine_options)
         self.model, self.model_path = load_model(model, device=device, dtype=dtype)
         self.config: ModelConfig = self.model.config
-        self.device = self.model.embed_tokens.weight.device
-        self.dtype = self.model.embed_tokens.weight.dtype
         self.tokenizer = Tokenizer(self.model_path)
         context = self.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= context:
@@ -52,9 +54,19 @@ class LLM:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self._seed_source = torch.Generator().manual_seed(seed if seed is not None else time.time_ns())
-        self._request_ids = itertools.count()
+        self.engine = Engine(self.model, self.tokenizer, engine_config, self.max_model_len, frozenset(eos), seed)
+        logger.info("KV pool: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.engine.pool.num_blocks,
+                    engine_config.block_size, self.kv_capacity_tokens, self.engine.pool.nbytes / 2**20)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return self.engine.device
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """How many tokens of K/V fit in the pool, across all requests."""
+        return self.engine.kv_capacity_tokens
 
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with."""
@@ -66,62 +78,48 @@ class LLM:
         """Generate for each prompt; one :class:`RequestOutput` per prompt, in the order given.
 
         ``prompts`` is one string, one list of token ids, or a list of either. ``sampling_params``
-        is one :class:`SamplingParams` for all, or one per prompt. Everything is checked before
-        any request runs.
+        is one :class:`SamplingParams` for all, or one per prompt. Every prompt is checked before
+        any runs; all of them are batched together by the engine.
         """
-        requests = self._make_requests(prompts, sampling_params)
-        show = use_tqdm if use_tqdm is not None else len(requests) >= 8
-        outputs = []
-        for request in tqdm(requests, desc="generating", disable=not show):
-            for _ in self._run(request):
-                pass
-            outputs.append(request.to_output())
-        return outputs
-
-    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield one :class:`StreamDelta` per generated token, as soon as it is produced."""
-        (request,) = self._make_requests([prompt], sampling_params)
-        yield from self._run(request)
-
-    def _make_requests(self, prompts, sampling_params) -> list[Request]:
         prompt_list = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompt_list))
-        encoded = []
-        for i, p in enumerate(prompt_list):
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            if isinstance(p, str) and not p:
-                raise ValueError(f"prompts[{i}] is an empty string: a prompt needs at least one token")
-            check_prompt_ids(i, ids, self.config.vocab_size, self.max_model_len)
-            encoded.append((p if isinstance(p, str) else None, ids))
         now = time.perf_counter()
-        requests = []
-        for (text, ids), p in zip(encoded, params, strict=True):
-            seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-            requests.append(Request(
-                request_id=str(next(self._request_ids)), prompt=text, prompt_token_ids=ids, params=p,
-                generator=torch.Generator(device=self.device).manual_seed(seed),
-                detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_ids=self.eos_token_ids,
-                max_model_len=self.max_model_len, metrics=RequestMetrics(arrival_time=now),
-            ))
-        return requests
+        requests = [self.engine.make_request(p, sp, index=i, arrival_time=now)
+                    for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))]
+        show = use_tqdm if use_tqdm is not None else len(requests) >= 8
+        for request in requests:
+            self.engine.add(request)
+        try:
+            with tqdm(total=len(requests), desc="generating", disable=not show) as bar:
+                while any(r.finish_reason is None for r in requests):
+                    deltas = self.engine.step()
+                    bar.update(sum(d.finished for d in deltas))
+        finally:
+            # Interrupted (e.g. KeyboardInterrupt): free what this call still holds; the LLM stays usable.
+            for request in requests:
+                self.engine.abort(request.request_id)
+        return [r.to_output() for r in requests]
 
-    @torch.inference_mode()
-    def _run(self, request: Request) -> Iterator[StreamDelta]:
-        """Prefill the prompt, then decode one token at a time until the request finishes."""
-        cfg = self.config
-        cache = ContiguousKVCache(cfg.num_hidden_layers, request.max_total_len, cfg.num_key_value_heads,
-                                  cfg.head_dim, dtype=self.dtype, device=self.device)
-        request.metrics.first_scheduled_time = time.perf_counter()
-        request.metrics.prefill_tokens = len(request.prompt_token_ids)
-        tokens = torch.tensor(request.prompt_token_ids, device=self.device)
-        positions = torch.arange(len(tokens), device=self.device)
-        while True:
-            hidden = self.model(tokens, positions, cache)
-            logits = self.model.compute_logits(hidden[-1:])
-            token_id = int(sample_next_tokens(logits, [request.params], [request.generator])[0])
-            delta = request.append_token(token_id, time.perf_counter())
-            yield StreamDelta(request.request_id, token_id, delta, request.finish_reason, request.to_output())
-            if request.finish_reason is not None:
-                return
-            tokens = torch.tensor([token_id], device=self.device)
-            positions = torch.tensor([cache.length], device=self.device)
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield one :class:`StreamDelta` per generated token of ``prompt``, as soon as it is produced.
+
+        Other requests in the engine keep running alongside; closing the iterator early aborts
+        this request and frees its blocks.
+        """
+        prompts = normalize_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
+        (params,) = normalize_params(sampling_params, 1)
+        request = self.engine.make_request(prompts[0], params)
+        self.engine.add(request)
+        try:
+            while request.finish_reason is None:
+                for delta in self.engine.step():
+                    if delta.request_id == request.request_id:
+                        yield delta
+        finally:
+            self.engine.abort(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request running in this LLM's engine; its KV blocks are freed at once."""
+        return self.engine.abort(request_id)

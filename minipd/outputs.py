@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -21,6 +22,10 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     #: How many prompt tokens were computed by prefill.
     prefill_tokens: int = 0
+    #: Prompt tokens whose K/V came from the prefix cache instead of being computed.
+    cached_tokens: int = 0
+    #: How many times the request lost its KV blocks to a newer one and was recomputed.
+    preemptions: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -50,8 +55,9 @@ class RequestMetrics:
 class RequestOutput:
     """The result of one request, in the order the prompts were given.
 
-    ``finish_reason`` is ``"stop"`` (end-of-sequence, a stop token or a stop string) or
-    ``"length"`` (max_tokens or the model's context reached); None while still streaming.
+    ``finish_reason`` is ``"stop"`` (end-of-sequence, a stop token or a stop string),
+    ``"length"`` (max_tokens or the model's context reached) or ``"abort"`` (aborted by the caller);
+    None while still running.
     """
 
     request_id: str
@@ -79,5 +85,14 @@ class StreamDelta:
     #: Text that became printable with this token (may be empty while a character is incomplete).
     text: str
     finish_reason: str | None
-    #: The whole request so far; final once ``finish_reason`` is set.
-    output: RequestOutput
+    _snapshot: Callable[[], RequestOutput] = field(repr=False, compare=False)
+
+    @property
+    def finished(self) -> bool:
+        """True for the request's last delta."""
+        return self.finish_reason is not None
+
+    @property
+    def output(self) -> RequestOutput:
+        """The whole request so far (built on access, so streaming stays cheap); final once finished."""
+        return self._snapshot()

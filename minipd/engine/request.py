@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
 
+from minipd.kv.block_manager import BlockAllocation
 from minipd.outputs import RequestMetrics, RequestOutput
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"  # not scheduled yet, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
 
 
 @dataclass
@@ -28,11 +38,28 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    #: Tokens (prompt, then output) whose K/V are in the cache.
+    num_computed_tokens: int = 0
+    #: Prompt tokens served by the prefix cache, summed over every time the request was scheduled.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    blocks: BlockAllocation = field(default_factory=BlockAllocation)
 
     @property
-    def max_total_len(self) -> int:
-        """The most tokens (prompt and output) this request can ever hold."""
-        return min(self.max_model_len, len(self.prompt_token_ids) + self.params.max_tokens)
+    def all_token_ids(self) -> list[int]:
+        """Prompt and output tokens, in order."""
+        return self.prompt_token_ids + self.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.prompt_token_ids) + len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V still have to be computed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int, now: float) -> str:
         """Record a new token; return its text delta and set ``finish_reason`` when the request ends."""
@@ -45,18 +72,13 @@ class Request:
             self._finish("stop", token_id, now)
         elif params.stop_token_ids and token_id in params.stop_token_ids:
             self._finish("stop", token_id, now)
-        elif len(self.token_ids) >= params.max_tokens or self.total_len >= self.max_model_len:
+        elif len(self.token_ids) >= params.max_tokens or self.num_tokens >= self.max_model_len:
             self._finish("length", None, now)
         delta = self.detokenizer.add(token_id, last=self.finish_reason is not None)
         if delta and params.stop_strings:
             return self._cut_at_stop_string(delta, now)
         self.text += delta
         return delta
-
-    @property
-    def total_len(self) -> int:
-        """Prompt and output tokens so far."""
-        return len(self.prompt_token_ids) + len(self.token_ids)
 
     def _cut_at_stop_string(self, delta: str, now: float) -> str:
         # A stop string may straddle the old text and the delta, so search a window that covers both.
@@ -74,13 +96,20 @@ class Request:
         self._finish("stop", stop, now)
         return delta[:emitted]
 
+    def abort(self, now: float) -> None:
+        """End the request where it is, with finish reason ``"abort"``."""
+        self._finish("abort", None, now)
+
     def _finish(self, reason: str, stop_reason: str | int | None, now: float) -> None:
+        self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.metrics.finish_time = now
 
     def to_output(self) -> RequestOutput:
         """A snapshot of the request as the public :class:`RequestOutput`."""
+        self.metrics.cached_tokens = self.num_cached_tokens
+        self.metrics.preemptions = self.num_preemptions
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -10,12 +10,16 @@ from typing import Protocol
 
 import torch
 
+from minipd.layers.attention import attention
+
 
 class KVCache(Protocol):
-    """What attention needs from a cache: append this step's K/V for a layer, get all of it back."""
+    """What a layer needs from a cache: keep this step's K/V and attend over everything kept."""
 
-    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``, ``v`` (T, kv_heads, head_dim) after the cached tokens; return every cached K and V."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        """Store ``k``, ``v`` (T, kv_heads, head_dim) for layer ``layer_idx``, then attend ``q`` (T, q_heads,
+        head_dim) causally to all cached tokens; returns (T, q_heads, head_dim)."""
         ...
 
     def advance(self, num_tokens: int) -> None:
@@ -41,6 +45,11 @@ class ContiguousKVCache:
         self.k[layer_idx, self.length:end] = k
         self.v[layer_idx, self.length:end] = v
         return self.k[layer_idx, :end], self.v[layer_idx, :end]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        k_all, v_all = self.append(layer_idx, k, v)
+        return attention(q, k_all, v_all, scale, sliding_window)
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -1,7 +1,9 @@
 """Causal scaled-dot-product attention of new queries against all cached keys and values.
 
-This is the one place the model computes attention. The engine-core issue puts a paged KV cache
-and a kernel backend switch behind this seam; layers never look inside.
+Layers call :func:`attention` directly when there is no cache, and otherwise hand q, k and v to
+the cache's ``attend``: a contiguous cache appends and calls :func:`attention`, the paged cache
+stores K/V into its blocks and runs the paged kernels of the chosen backend. Layers never look
+inside.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -18,6 +20,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual``, then ``(rms_norm(residual), residual)``: the pre-norm block's add and norm."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
 class RMSNorm(nn.Module):
     """:func:`rms_norm` with its weight as a parameter."""
 
@@ -25,6 +34,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        #: The fused add + norm kernel; the engine swaps in its backend's version.
+        self.add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``."""
+        return self.add_rms_norm(x, residual, self.weight, self.eps)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from minipd.config import ModelConfig
+from minipd.kernels.backend import KernelBackend
 from minipd.kv.contiguous import KVCache
 from minipd.layers.attention import attention
 from minipd.layers.mlp import SwiGLU
@@ -49,10 +50,11 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
+        if cache is None:
+            out = attention(q, k, v, self.scale, self.sliding_window)
+        else:
             # K and V are kept for every later token; Q is used once, right here, and dropped.
-            k, v = cache.append(self.layer_idx, k, v)
-        out = attention(q, k, v, self.scale, self.sliding_window)
+            out = cache.attend(self.layer_idx, q, k, v, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -71,8 +73,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        # x + attn_out and its RMSNorm in one kernel: the sum is the residual stream, the norm feeds the MLP.
+        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x)
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -102,6 +106,12 @@ class DecoderModel(nn.Module):
         if cache is not None:
             cache.advance(input_ids.shape[0])
         return self.norm(x)
+
+    def set_kernels(self, kernels: KernelBackend) -> None:
+        """Route the fused add + RMSNorm of every layer through ``kernels``."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.add_rms_norm = kernels.add_rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from final hidden states, in fp32."""

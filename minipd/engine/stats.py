@@ -1,0 +1,27 @@
+"""Per-step records of what the engine did, kept as data for the chapters to plot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step: when, how long, what was in the batch, and the state of the KV pool after it."""
+
+    start_time: float
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    #: Fraction of prompt tokens looked up so far that the prefix cache served.
+    prefix_hit_rate: float
+    num_preemptions: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return self.num_prefill_tokens + self.num_decode_tokens

@@ -1,0 +1,64 @@
+"""One switch for the engine's kernels: ``"torch"`` (references, fast on CPU) or ``"triton"``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minipd.kernels.kv_store import store_kv_torch
+from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
+from minipd.kernels.rms_norm import add_rms_norm_torch
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The kernels one backend provides, all with the torch references' signatures."""
+
+    name: str
+    store_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+TORCH_BACKEND = KernelBackend("torch", store_kv_torch, paged_decode_attention_torch,
+                              paged_prefill_attention_torch, add_rms_norm_torch)
+
+
+def default_backend_name(device: torch.device) -> str:
+    """Triton on CUDA (when installed), torch everywhere else."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return "torch"
+
+
+def get_backend(name: str | None, device: torch.device) -> KernelBackend:
+    """The backend called ``name`` (None picks the default for ``device``), checked to run there."""
+    name = name or default_backend_name(device)
+    if name == "torch":
+        return TORCH_BACKEND
+    if name != "triton":
+        raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("kernel_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before "
+                         "triton is imported to run it (slowly) on the CPU")
+    try:
+        from minipd.kernels.triton_kv_store import store_kv_triton
+        from minipd.kernels.triton_paged_attention import (
+            paged_decode_attention_triton,
+            paged_prefill_attention_triton,
+        )
+        from minipd.kernels.triton_rms_norm import add_rms_norm_triton
+    except ImportError as err:
+        raise ValueError(f"kernel_backend='triton' is not available here: {err}") from err
+    return KernelBackend("triton", store_kv_triton, paged_decode_attention_triton,
+                         paged_prefill_attention_triton, add_rms_norm_triton)

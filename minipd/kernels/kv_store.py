@@ -1,0 +1,21 @@
+"""Write a step's new K and V into their slots of the paged pool.
+
+A slot is ``block_id * block_size + offset``; the pool for one layer is shaped
+(num_blocks, block_size, kv_heads, head_dim), so slot ``s`` is row ``s`` of the pool viewed as
+(num_blocks * block_size, kv_heads, head_dim). Negative slots (padding) are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Copy ``k``, ``v`` (N, kv_heads, head_dim) into the caches at ``slot_mapping`` (N,), in place."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

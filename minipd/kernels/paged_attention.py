@@ -1,0 +1,64 @@
+"""Attention over a paged KV cache: decode (one query per sequence) and prefill (a chunk of queries).
+
+The pool for one layer is (num_blocks, block_size, kv_heads, head_dim). Sequence ``i`` owns the
+blocks listed in ``block_tables[i]`` (padded with any valid id past its end) and has
+``context_lens[i]`` tokens in them, counting the new tokens of this step, whose K/V are already
+stored. Queries are always the last tokens of their sequence's context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minipd.layers.attention import attention
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached rows of one sequence, contiguous: (length, kv_heads, head_dim)."""
+    block_size = cache.shape[1]
+    blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:blocks]].flatten(0, 1)[:length]
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                 sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence: ``q`` (B, q_heads, D) against each sequence's paged K/V; returns (B, q_heads, D).
+
+    All sequences are gathered into one padded (B, S, kv_heads, D) tensor and masked past their
+    length, so the whole batch is one attention call instead of B small ones.
+    """
+    batch, _, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    span = block_tables.shape[1] * block_size
+    k = k_cache[block_tables].view(batch, span, kv_heads, dim).transpose(1, 2)
+    v = v_cache[block_tables].view(batch, span, kv_heads, dim).transpose(1, 2)
+    pos = torch.arange(span, device=q.device)[None, :]
+    lens = context_lens.to(q.device)[:, None]
+    mask = pos < lens
+    if sliding_window is not None:
+        mask &= pos >= lens - sliding_window
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                  context_lens: torch.Tensor, scale: float,
+                                  sliding_window: int | None = None) -> torch.Tensor:
+    """Chunks of queries, causal, variable lengths, in one call.
+
+    ``q`` (N, q_heads, D) holds sequence ``i``'s queries in rows ``query_start_loc[i]`` to
+    ``query_start_loc[i + 1]`` (a (B + 1,) int tensor); they are the last of its ``context_lens[i]``
+    tokens. Returns (N, q_heads, D).
+    """
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()  # one host sync per call, not one per sequence
+    for i, context in enumerate(context_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        k = gather_kv(k_cache, block_tables[i], context)
+        v = gather_kv(v_cache, block_tables[i], context)
+        out[start:end] = attention(q[start:end], k, v, scale, sliding_window)
+    return out

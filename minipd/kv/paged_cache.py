@@ -1,0 +1,63 @@
+"""The paged pool seen by the model for one step: where each new token's K/V goes, what each query reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minipd.kernels.backend import KernelBackend
+from minipd.kv.paged_pool import PagedKVPool
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Flat per-step tensors built once by the model runner and shared by every layer.
+
+    The step's tokens are laid out decodes first (one token per sequence), then prefill chunks.
+    """
+
+    #: Decode tokens at the front of the batch (one per decoding sequence).
+    num_decode_tokens: int
+    #: (N,) pool slot (``block * block_size + offset``) of every token of the step.
+    slot_mapping: torch.Tensor
+    #: (D, max_blocks) block tables and (D,) context lengths of the decoding sequences.
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    #: (P, max_blocks) block tables, (P + 1,) query offsets and (P,) context lengths of the prefills.
+    prefill_block_tables: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_context_lens: torch.Tensor
+
+
+class PagedKVCache:
+    """Implements the model's cache interface over a :class:`PagedKVPool` for one step."""
+
+    def __init__(self, pool: PagedKVPool, metadata: PagedAttentionMetadata, kernels: KernelBackend) -> None:
+        self.pool = pool
+        self.metadata = metadata
+        self.kernels = kernels
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        md, kernels = self.metadata, self.kernels
+        k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        num_decode = md.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return kernels.paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables,
+                                                  md.decode_context_lens, scale, sliding_window)
+        if num_decode == 0:
+            return kernels.paged_prefill_attention(q, k_cache, v_cache, md.prefill_block_tables,
+                                                   md.prefill_query_start_loc, md.prefill_context_lens, scale,
+                                                   sliding_window)
+        out = torch.empty_like(q)
+        out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, md.decode_block_tables,
+                                                          md.decode_context_lens, scale, sliding_window)
+        out[num_decode:] = kernels.paged_prefill_attention(q[num_decode:], k_cache, v_cache,
+                                                           md.prefill_block_tables, md.prefill_query_start_loc,
+                                                           md.prefill_context_lens, scale, sliding_window)
+        return out
+
+    def advance(self, num_tokens: int) -> None:
+        """Nothing to do: the block manager tracks what is computed."""

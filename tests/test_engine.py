@@ -1,0 +1,224 @@
+"""The engine core against HF transformers: paged KV cache, prefix caching, chunked prefill,
+preemption, requests arriving mid-run and aborts must never change a greedy output.
+
+Every test ends by checking that the KV pool got all its blocks back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import VOCAB, make_hf_model
+
+from minipd import LLM, SamplingParams
+from minipd.engine.engine import Engine
+
+MAX_TOKENS = 24
+
+
+def mixed_prompts(n: int = 32, shared_prefix: int = 0, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(1, VOCAB, (shared_prefix,), generator=gen).tolist()
+    lengths = torch.randint(1, 90, (n,), generator=gen).tolist()
+    return [prefix + torch.randint(1, VOCAB, (n_,), generator=gen).tolist() for n_ in lengths]
+
+
+def params_for(prompts: list[list[int]]) -> list[SamplingParams]:
+    # Mixed output lengths too: 1 to MAX_TOKENS new tokens.
+    return [SamplingParams(temperature=0, max_tokens=1 + (7 * i) % MAX_TOKENS) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine-llama")
+    hf = make_hf_model(folder, "llama", max_position_embeddings=512)
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    """HF generate, one request at a time, for the plain and the shared-prefix prompt sets."""
+    _, hf = model_dir
+    out = {}
+    for key, prompts in {"mixed": mixed_prompts(), "shared": mixed_prompts(shared_prefix=40, seed=1)}.items():
+        refs = []
+        for ids, p in zip(prompts, params_for(prompts), strict=True):
+            with torch.no_grad():
+                gen = hf.generate(torch.tensor([ids]), max_new_tokens=p.max_tokens, do_sample=False, pad_token_id=0)
+            refs.append(gen[0, len(ids):].tolist())
+        out[key] = (prompts, refs)
+    return out
+
+
+def assert_pool_is_whole(engine: Engine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+CONFIGS = {
+    "default": {},
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "chunked-prefill": dict(max_num_batched_tokens=19),
+    "prefill-first": dict(scheduling_policy="prefill-first", max_num_batched_tokens=64),
+    "preemption": dict(num_kv_blocks=20, block_size=8),
+    "few-seqs": dict(max_num_seqs=3, block_size=32),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("workload", ["mixed", "shared"])
+def test_greedy_batch_matches_hf(model_dir, references, name, workload):
+    folder, _ = model_dir
+    prompts, refs = references[workload]
+    llm = LLM(folder, **CONFIGS[name])
+    outputs = llm.generate(prompts, params_for(prompts))
+    mismatched = [i for i, (o, r) in enumerate(zip(outputs, refs, strict=True)) if o.token_ids != r]
+    assert mismatched == []
+    if name == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert sum(o.metrics.preemptions for o in outputs) == llm.engine.scheduler.num_preemptions
+    if name == "chunked-prefill":
+        assert max(s.num_tokens for s in llm.engine.step_stats) <= 19
+        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in llm.engine.step_stats)
+    if workload == "shared" and name != "no-prefix-cache":
+        assert sum(o.metrics.cached_tokens for o in outputs) > 0
+    assert_pool_is_whole(llm.engine)
+
+
+def test_prefix_cache_skips_shared_prefill(model_dir):
+    folder, _ = model_dir
+    prompts = mixed_prompts(n=16, shared_prefix=64, seed=2)
+    computed = {}
+    for caching in (True, False):
+        llm = LLM(folder, enable_prefix_caching=caching, block_size=16)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2))  # warm the cache with the prefix
+        outs = llm.generate(prompts[1:], SamplingParams(temperature=0, max_tokens=2))
+        computed[caching] = sum(o.metrics.prefill_tokens for o in outs)
+        if caching:
+            assert all(o.metrics.cached_tokens == 64 for o in outs)
+            assert llm.engine.block_manager.stats.hit_rate > 0.4
+        assert_pool_is_whole(llm.engine)
+    assert computed[True] == computed[False] - 15 * 64
+
+
+def test_requests_added_while_others_run(model_dir, references):
+    folder, _ = model_dir
+    prompts, refs = references["mixed"]
+    params = params_for(prompts)
+    engine = LLM(folder, max_num_batched_tokens=48).engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:16], params[:16], strict=True)]
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests() or len(ids) < 32:
+        steps += 1
+        if steps == 5:
+            ids += [engine.add_request(p, sp) for p, sp in zip(prompts[16:], params[16:], strict=True)]
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).append(delta.token_id)
+    assert [tokens[i] for i in ids] == refs
+    assert_pool_is_whole(engine)
+
+
+def test_abort_mid_run_frees_blocks_and_spares_the_rest(model_dir, references):
+    folder, _ = model_dir
+    prompts, refs = references["mixed"]
+    llm = LLM(folder, max_num_batched_tokens=64)
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_for(prompts), strict=True)]
+    finals = {}
+    for _ in range(4):
+        for d in engine.step():
+            if d.finished:
+                finals[d.request_id] = d.output
+    running = [r.request_id for r in engine.scheduler.running]
+    victims = [*running[:3], engine.scheduler.waiting[0].request_id]
+    used_before = engine.block_manager.num_used_blocks
+    held = sum(len(engine.requests[v].blocks.block_table) for v in victims)
+    for v in victims:
+        assert engine.abort(v)
+    # The mixed prompts share no blocks, so every block the victims held is freed at once.
+    assert engine.block_manager.num_used_blocks == used_before - held
+    assert not engine.abort(victims[0])  # already gone
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.finished:
+                finals[d.request_id] = d.output
+    for rid, ref in zip(ids, refs, strict=True):
+        if rid not in victims:
+            assert finals[rid].token_ids == ref
+    assert all(v not in finals for v in victims)
+    assert_pool_is_whole(engine)
+
+
+def test_stream_matches_generate_and_closing_it_aborts(model_dir):
+    folder, _ = model_dir
+    llm = LLM(folder)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    deltas = list(llm.stream([5, 6, 7], params))
+    assert [d.token_id for d in deltas] == llm.generate([[5, 6, 7]], params)[0].token_ids
+    stream = llm.stream([5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(stream)
+    assert llm.engine.block_manager.num_used_blocks > 0
+    stream.close()
+    assert_pool_is_whole(llm.engine)
+
+
+def test_step_stats_record_batch_composition(model_dir):
+    folder, _ = model_dir
+    llm = LLM(folder, max_num_batched_tokens=32)
+    prompts = mixed_prompts(n=6)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    stats = llm.engine.step_stats
+    assert sum(s.num_prefill_tokens for s in stats) == sum(len(p) for p in prompts)
+    assert sum(s.num_decode_tokens for s in stats) == 6 * 4  # the first token of each comes from prefill
+    assert all(s.num_tokens <= 32 for s in stats)
+    assert all(s.kv_blocks_used + s.kv_blocks_free == llm.engine.block_manager.num_blocks for s in stats)
+
+
+def test_prefill_first_admits_new_requests_before_decodes(model_dir):
+    folder, _ = model_dir
+    for policy, expect_decode_first in (("decode-first", True), ("prefill-first", False)):
+        engine = LLM(folder, scheduling_policy=policy, max_num_batched_tokens=20).engine
+        engine.add_request([1] * 5, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        engine.step()  # prefill of the first request
+        engine.add_request([2] * 60, SamplingParams(temperature=0, max_tokens=2))
+        batch = engine.scheduler.schedule()
+        first = batch.entries[0]
+        assert (first[1] == 1) == expect_decode_first, policy
+
+
+@pytest.mark.parametrize(("option", "value"), [("block_size", 0), ("max_num_seqs", -1), ("num_kv_blocks", 0),
+                                               ("max_num_batched_tokens", "x"), ("kv_cache_memory", 0)])
+def test_bad_engine_options_name_the_field(model_dir, option, value):
+    folder, _ = model_dir
+    with pytest.raises(ValueError, match=option):
+        LLM(folder, **{option: value})
+
+
+def test_unknown_option_and_policy_and_backend(model_dir):
+    folder, _ = model_dir
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(folder, block_sise=16)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLM(folder, scheduling_policy="random")
+    with pytest.raises(ValueError, match="kernel_backend"):
+        LLM(folder, kernel_backend="cuda-magic")
+
+
+def test_request_too_big_for_the_pool_is_rejected_and_engine_keeps_working(model_dir):
+    folder, _ = model_dir
+    llm = LLM(folder, num_kv_blocks=4, block_size=8)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        llm.generate([[1] * 30], SamplingParams(max_tokens=10))
+    assert len(llm.generate([[1] * 10], SamplingParams(temperature=0, max_tokens=5))[0].token_ids) <= 5
+    assert_pool_is_whole(llm.engine)
+
+
+def test_pool_size_from_memory_budget(model_dir):
+    folder, _ = model_dir
+    llm = LLM(folder, kv_cache_memory=1 << 20, block_size=16)
+    per_token = llm.config.kv_bytes_per_token(4)
+    assert llm.engine.pool.num_blocks == (1 << 20) // (per_token * 16)
+    assert llm.kv_capacity_tokens == llm.engine.pool.num_blocks * 16
