@@ -53,6 +53,12 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from minipd.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minipd", description="minipd: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,10 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     info = sub.add_parser("info", help="bundled models, device and kernel backends")
     info.set_defaults(func=_info)
+    bench = sub.add_parser("bench", help="minipd against HF transformers (see `python -m minipd bench -h`)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m minipd`` and the ``minipd`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own options; hand them over untouched
+        return _bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)

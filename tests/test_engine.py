@@ -63,6 +63,7 @@ CONFIGS = {
     "chunked-prefill": dict(max_num_batched_tokens=19),
     "prefill-first": dict(scheduling_policy="prefill-first", max_num_batched_tokens=64),
     "preemption": dict(num_kv_blocks=20, block_size=8),
+    "prefill-first-preemption": dict(scheduling_policy="prefill-first", num_kv_blocks=20, block_size=8),
     "few-seqs": dict(max_num_seqs=3, block_size=32),
 }
 
@@ -76,7 +77,7 @@ def test_greedy_batch_matches_hf(model_dir, references, name, workload):
     outputs = llm.generate(prompts, params_for(prompts))
     mismatched = [i for i, (o, r) in enumerate(zip(outputs, refs, strict=True)) if o.token_ids != r]
     assert mismatched == []
-    if name == "preemption":
+    if "preemption" in name:
         assert llm.engine.scheduler.num_preemptions > 0
         assert sum(o.metrics.preemptions for o in outputs) == llm.engine.scheduler.num_preemptions
     if name == "chunked-prefill":
@@ -101,6 +102,19 @@ def test_prefix_cache_skips_shared_prefill(model_dir):
             assert llm.engine.block_manager.stats.hit_rate > 0.4
         assert_pool_is_whole(llm.engine)
     assert computed[True] == computed[False] - 15 * 64
+
+
+def test_requests_arriving_together_share_a_prefix_computed_in_the_same_step(model_dir):
+    folder, hf = model_dir
+    prompts = mixed_prompts(n=8, shared_prefix=64, seed=3)
+    llm = LLM(folder, block_size=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
+    assert len(llm.engine.step_stats) == 4  # all eight prefills ran in the first step
+    assert [o.metrics.cached_tokens for o in outs] == [0] + [64] * 7
+    for ids, out in zip(prompts, outs, strict=True):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+    assert_pool_is_whole(llm.engine)
 
 
 def test_requests_added_while_others_run(model_dir, references):

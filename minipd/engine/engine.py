@@ -146,8 +146,6 @@ class Engine:
         sampled, tokens = self.runner.execute(batch)
         for request, n in batch.entries:
             request.num_computed_tokens += n
-            self.block_manager.register_full_blocks(request.blocks, request.all_token_ids,
-                                                    request.num_computed_tokens)
         now = time.perf_counter()
         deltas = []
         for request, token in zip(sampled, tokens, strict=True):

@@ -109,9 +109,14 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self._register(request, num_new)
                 batch.entries.append((request, num_new))
                 budget -= num_new
         return budget
+
+    def _register(self, request: Request, num_new: int) -> None:
+        self.block_manager.register_full_blocks(request.blocks, request.all_token_ids,
+                                                request.num_computed_tokens + num_new)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -126,6 +131,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.num_cached_tokens += num_cached
             request.status = RequestStatus.RUNNING
+            self._register(request, num_new)
             self.running.append(request)
             batch.entries.append((request, num_new))
             budget -= num_new
@@ -134,7 +140,8 @@ class Scheduler:
     def _preempt_newest(self, batch: ScheduledBatch) -> tuple[Request, int]:
         """Preempt the most recently admitted running request; return it and the budget it had this step."""
         victim = self.running.pop()
-        self.block_manager.free_blocks(victim.blocks)
+        # Its tokens scheduled this step will not run: only what was computed before is valid.
+        self.block_manager.free_blocks(victim.blocks, victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1

@@ -30,6 +30,14 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     length, so the whole batch is one attention call instead of B small ones.
     """
     batch, _, dim = q.shape
+    if batch == 1:
+        # A lone sequence needs no padding and so no mask: gather exactly its (windowed) context.
+        length = int(context_lens[0])
+        first = max(0, length - sliding_window) if sliding_window is not None else 0
+        k = gather_kv(k_cache, block_tables[0], length)[first:].transpose(0, 1).unsqueeze(0)
+        v = gather_kv(v_cache, block_tables[0], length)[first:].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     span = block_tables.shape[1] * block_size
     k = k_cache[block_tables].view(batch, span, kv_heads, dim).transpose(1, 2)

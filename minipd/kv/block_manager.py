@@ -141,15 +141,23 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             # Evicting: its cached contents are about to be overwritten.
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            self._forget(block)
             self.evictions += 1
         block.ref_count = 1
         return block_id
 
+    def _forget(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
+            del self.cached[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash, block.token_ids = None, ()
+
     def register_full_blocks(self, alloc: BlockAllocation, token_ids: Sequence[int], num_computed: int) -> None:
-        """Make the sequence's newly completed blocks (K/V computed for all their tokens) reusable."""
+        """Make the sequence's full blocks among its first ``num_computed`` tokens reusable.
+
+        The scheduler calls this as soon as it schedules the tokens, before they are computed: a
+        request admitted later in the same step may then share the blocks, which is safe because
+        every layer stores the whole step's K/V before any attention reads them.
+        """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -163,13 +171,22 @@ class BlockManager:
                 self.cached[block_hash] = block.block_id
                 block.block_hash, block.token_ids = block_hash, tokens
 
-    def free_blocks(self, alloc: BlockAllocation) -> None:
-        """Drop the sequence's hold on its blocks; unshared ones return to the free list."""
+    def free_blocks(self, alloc: BlockAllocation, num_computed: int | None = None) -> None:
+        """Drop the sequence's hold on its blocks; unshared ones return to the free list.
+
+        ``num_computed``: tokens whose K/V really are in the blocks (all by default). A sequence
+        preempted before its scheduled tokens ran passes fewer, and full blocks past that point
+        lose their hash, so no one reuses contents that were never written.
+        """
+        first_unwritten = len(alloc.block_table) if num_computed is None else num_computed // self.block_size
         # Last blocks first, so a sequence's tail is evicted before its (more shareable) head.
-        for block_id in reversed(alloc.block_table):
-            block = self.blocks[block_id]
+        for index in range(len(alloc.block_table) - 1, -1, -1):
+            block = self.blocks[alloc.block_table[index]]
             block.ref_count -= 1
+            if index >= first_unwritten and block.block_hash is not None and block.ref_count == 0:
+                self._forget(block)
             if block.ref_count == 0:
+                block_id = block.block_id
                 self.free[block_id] = None
                 if block.block_hash is None:
                     self.free.move_to_end(block_id, last=False)
