@@ -159,7 +159,8 @@ def shared_prefix_run(model_name: str, workload: Workload, caching: bool) -> dic
 
 def _line(label: str, value: float, target: float, better: str) -> str:
     ok = value >= target if better == "higher" else value <= target
-    return f"  {label:<52} {value:7.2f}x   target {'>=' if better == 'higher' else '<='} {target}x  {'met' if ok else 'MISSED'}"
+    sign = ">=" if better == "higher" else "<="
+    return f"  {label:<52} {value:7.2f}x   target {sign} {target}x  {'met' if ok else 'MISSED'}"
 
 
 def main(argv: list[str] | None = None) -> int:
