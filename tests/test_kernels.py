@@ -12,7 +12,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import to take effect
+    os.environ["TRITON_INTERPRET"] = "1"  # read as each kernel is defined, so before the imports below
 
 import pytest
 
