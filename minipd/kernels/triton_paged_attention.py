@@ -215,6 +215,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         return out
     # One host sync to size the grid (the torch reference syncs too); shorter chunks' extra tiles exit at once.
     longest = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if longest <= 0:
+        return out
     fp32 = k_cache.dtype == torch.float32
     block_m = 32 if fp32 else 64
     q, block_tables = _last_dim_contiguous(q), _last_dim_contiguous(block_tables)
