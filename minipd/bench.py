@@ -99,17 +99,27 @@ def hf_continuous_batching_available(model) -> bool:
     return hasattr(model, "continuous_batching_context_manager")
 
 
-def run_hf_continuous(model, workload: Workload, never_token: int) -> Result:
-    """HF's continuous-batching manager, each request with its own output length and EOS ignored."""
+def run_hf_continuous(model, workload: Workload, never_token: int, max_batch_tokens: int = 2048) -> Result:
+    """HF's continuous-batching manager, each request with its own output length and EOS ignored.
+
+    It is given the same token budget as minipd and a KV cache sized for the workload: left to
+    size itself it assumes a GPU, and on a CPU runs an order of magnitude slower.
+    """
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=never_token,
                               pad_token_id=0)
+    page = 256
+    total = sum(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=-(-total // page) + len(workload.prompts),
+                                         max_batch_tokens=max_batch_tokens, use_cuda_graph=False,
+                                         use_async_batching=False)
 
     def go() -> int:
         produced = 0
-        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                       warmup=False) as manager:
+        with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                       block=True, timeout=5, warmup=False) as manager:
             for p, n in zip(workload.prompts, workload.output_lens, strict=True):
                 manager.add_request(p, max_new_tokens=n, eos_token_id=never_token)
             done = 0

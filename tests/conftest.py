@@ -2,7 +2,12 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 # Tests never reach a model hub; everything they load is bundled or made here.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run under its interpreter; the flag must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))

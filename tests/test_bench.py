@@ -1,0 +1,30 @@
+"""``python -m minipd bench`` runs end to end (at a tiny scale; the figures themselves are not asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from minipd.bench import make_workload
+
+
+def test_workloads_are_seeded_and_within_their_ranges():
+    a = make_workload(16, (16, 32), (4, 8), vocab_size=100, seed=3, shared_prefix=5)
+    b = make_workload(16, (16, 32), (4, 8), vocab_size=100, seed=3, shared_prefix=5)
+    assert a == b
+    assert all(21 <= len(p) <= 37 and p[:5] == a.prompts[0][:5] for p in a.prompts)
+    assert all(4 <= n <= 8 for n in a.output_lens) and a.output_tokens == sum(a.output_lens)
+    assert all(0 < t < 100 for p in a.prompts for t in p)
+
+
+def test_bench_prints_every_comparison():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "minipd", "bench", "--scale", "0.05"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for needle in ("[mixed]", "throughput minipd / HF generate (padded)",
+                   "throughput minipd / HF generate_batch (continuous)", "[single]", "TPOT minipd / HF generate",
+                   "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching"):
+        assert needle in text, needle
