@@ -1,0 +1,394 @@
+"""An analytic cost model of one engine step: parameters, FLOPs, bytes moved, arithmetic intensity.
+
+Everything here is counted from a :class:`~minipd.config.ModelConfig` alone, with no model loaded,
+so the same functions describe tiny-py on a laptop and an 8B model on an H100.
+
+Conventions (each function's docstring repeats the ones it uses):
+
+- **FLOPs** count the matrix products only, at 2 FLOPs per multiply-add: the linear layers (q/k/v/o
+  projections, the MLP or the routed experts and their router, the LM head) and the two products
+  of attention (``q·kᵀ`` and ``weights·v``). Norms, RoPE, SiLU, softmax, biases and residual adds
+  are a rounding error next to them and are left out.
+- **Bytes** are what one step must move between memory and the chip at the least, each byte once:
+  the weights it multiplies by, the K/V it reads from the cache and writes into it, and (roughly)
+  the activations going in and out of each matrix product.
+- The **LM head** runs only on the rows that sample a token, one per sequence, as minipd's model
+  runner does; a prefill of ``P`` tokens pays for it once, not ``P`` times.
+- A sequence's **context** is how many keys its newest query attends to, the new token included: a
+  decode step of a sequence with ``n`` tokens so far (prompt and output) has context ``n``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minipd.config import ModelConfig
+
+# --- parameters -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of a model by part, as HF transformers builds it (a tied LM head counted once)."""
+
+    #: The token embedding table, ``vocab × hidden``.
+    embedding: int
+    #: All layers: q/k/v/o weights, q/k/v biases where the family has them, per-head q/k norms.
+    attention: int
+    #: All layers: the SwiGLU MLP, or every expert plus the router.
+    mlp: int
+    #: All layers' two RMSNorms plus the final norm.
+    norms: int
+    #: The LM head matrix; 0 when it is tied to the embedding.
+    lm_head: int
+    #: MLP parameters one token uses: the same as ``mlp`` for a dense model, its top-k experts and
+    #: the router for a mixture of experts.
+    mlp_active: int
+
+    @property
+    def total(self) -> int:
+        """Every parameter, a tied LM head once (what ``sum(p.numel() for p in model.parameters())`` gives)."""
+        return self.embedding + self.attention + self.mlp + self.norms + self.lm_head
+
+    @property
+    def non_embedding(self) -> int:
+        """Parameters of the layers and norms: the total without the embedding and the LM head."""
+        return self.attention + self.mlp + self.norms
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: the total with only the experts a token is routed to."""
+        return self.total - self.mlp + self.mlp_active
+
+
+def _attention_weights_per_layer(config: ModelConfig) -> int:
+    """Weights of q, k, v and o in one layer (no biases)."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return config.hidden_size * (q + 2 * kv) + q * config.hidden_size
+
+
+def _expert_params(config: ModelConfig) -> int:
+    """One SwiGLU block: gate, up and down, ``3 × hidden × intermediate``."""
+    return 3 * config.hidden_size * config.intermediate_size
+
+
+def count_parameters(config: ModelConfig) -> ParamCounts:
+    """Parameters of ``config``'s model by part, as HF transformers builds it.
+
+    Biases follow transformers: with ``config.attention_bias``, Qwen2 has q/k/v biases and the other
+    families (a Llama or Qwen3 config that sets ``attention_bias``) q/k/v and o biases. Qwen3 adds a
+    ``head_dim`` RMSNorm weight for q and one for k per layer. A Mixtral router is
+    ``hidden × num_experts``, no bias.
+    """
+    layers = config.num_hidden_layers
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    attention = _attention_weights_per_layer(config)
+    if config.attention_bias:
+        attention += q + 2 * kv + (0 if config.model_type == "qwen2" else config.hidden_size)
+    if config.qk_norm:
+        attention += 2 * config.head_dim
+    if config.is_moe:
+        router = config.hidden_size * config.num_experts
+        mlp = config.num_experts * _expert_params(config) + router
+        mlp_active = config.num_experts_per_tok * _expert_params(config) + router
+    else:
+        mlp = mlp_active = _expert_params(config)
+    embedding = config.vocab_size * config.hidden_size
+    return ParamCounts(
+        embedding=embedding,
+        attention=layers * attention,
+        mlp=layers * mlp,
+        norms=(2 * layers + 1) * config.hidden_size,
+        lm_head=0 if config.tie_word_embeddings else embedding,
+        mlp_active=layers * mlp_active,
+    )
+
+
+def matmul_weights_per_token(config: ModelConfig) -> int:
+    """Weights one token is multiplied by on its way through the layers (LM head not included).
+
+    The q/k/v/o projections and the MLP of every layer; for a mixture of experts, the router and
+    the ``num_experts_per_tok`` experts the token is routed to. Each of these weights costs the
+    token one multiply-add, i.e. 2 FLOPs.
+    """
+    if config.is_moe:
+        mlp = config.num_experts_per_tok * _expert_params(config) + config.hidden_size * config.num_experts
+    else:
+        mlp = _expert_params(config)
+    return config.num_hidden_layers * (_attention_weights_per_layer(config) + mlp)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one token keeps in the cache, over all layers: ``2 · layers · kv_heads · head_dim · bytes``.
+
+    K and V (the 2) for each KV head, not each query head: grouped-query attention shrinks the cache
+    by ``num_attention_heads / num_key_value_heads``. ``dtype_bytes`` is 2 for bf16/fp16, 4 for
+    fp32, 1 for an int8/fp8 cache.
+    """
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
+    """FLOPs per byte moved: above a device's ridge point a step is compute-bound, below it memory-bound."""
+    return flops / bytes_moved
+
+
+# --- one step -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs and bytes of one forward step, split by where they come from.
+
+    Build with :func:`prefill_cost`, :func:`decode_cost` or :func:`step_cost`.
+    """
+
+    #: Tokens computed in the step (prompt tokens of a prefill; one per sequence in decode).
+    num_tokens: int
+    #: Sequences in the step; each samples one token, so each pays for one LM-head row.
+    num_sequences: int
+    #: The layers' linear maps: q/k/v/o and the MLP (routed experts and router for MoE).
+    linear_flops: int
+    #: ``q·kᵀ`` and ``weights·v``: ``4 · query_heads · head_dim`` per (query, visible key) per layer.
+    attention_flops: int
+    #: The LM head, ``2 · hidden · vocab`` per sampled row.
+    lm_head_flops: int
+    #: Every weight the step multiplies by, read once, and the norm weights: the non-embedding
+    #: parameters plus the LM head matrix (only the routed experts of a mixture of experts).
+    weight_bytes: int
+    #: K and V of every visible cached position, read once per layer.
+    kv_read_bytes: int
+    #: K and V of the new tokens, written once.
+    kv_write_bytes: int
+    #: Inputs and outputs of each matrix product (elementwise work assumed fused) and the embedding
+    #: rows looked up; a rough figure.
+    activation_bytes: int
+
+    @property
+    def flops(self) -> int:
+        """All matmul FLOPs of the step."""
+        return self.linear_flops + self.attention_flops + self.lm_head_flops
+
+    @property
+    def bytes(self) -> int:
+        """All bytes the step moves: weights, KV cache reads and writes, activations."""
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return arithmetic_intensity(self.flops, self.bytes)
+
+    def time_on(self, device: DeviceSpec) -> float:
+        """Roofline lower bound on the step's seconds: whichever of compute and memory takes longer."""
+        return max(self.flops / device.peak_flops, self.bytes / device.mem_bandwidth)
+
+    def bound_on(self, device: DeviceSpec) -> str:
+        """``"compute"`` or ``"memory"``: which limit sets :meth:`time_on`."""
+        return "compute" if self.arithmetic_intensity >= device.ridge_point else "memory"
+
+
+def _sum_min(first: int, last: int, cap: int | None) -> int:
+    """``sum(min(p, cap) for p in range(first, last + 1))`` in closed form; ``cap=None`` means no cap."""
+    if last < first:
+        return 0
+    if cap is None or last <= cap:
+        return (first + last) * (last - first + 1) // 2
+    if first > cap:
+        return cap * (last - first + 1)
+    return (first + cap) * (cap - first + 1) // 2 + cap * (last - cap)
+
+
+def _windows(config: ModelConfig) -> tuple[int | None, ...]:
+    return config.sliding_windows or (None,) * config.num_hidden_layers
+
+
+def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_bytes: int = 2,
+              kv_dtype_bytes: int | None = None) -> StepCost:
+    """The cost of one step that computes, for each sequence, ``new`` tokens after ``cached`` ones.
+
+    Args:
+        config: the model's shape.
+        chunks: one ``(cached, new)`` pair per sequence: ``(0, P)`` is the prefill of a P-token
+            prompt, ``(n - 1, 1)`` a decode step at context ``n``, ``(c, k)`` a prefill chunk that
+            continues a prompt whose first ``c`` tokens are already in the cache.
+        dtype_bytes: bytes per weight and activation element (2 for bf16, 4 for fp32).
+        kv_dtype_bytes: bytes per K/V element; ``dtype_bytes`` when None.
+
+    The new token at position ``p`` (0-based) attends to ``min(p + 1, window)`` keys in each
+    layer (``window`` from ``config.sliding_windows``; no cap on full-attention layers). Each
+    sequence samples one token, so the LM head runs on ``len(chunks)`` rows. Weights are read once
+    for the whole step, however many tokens share them; a mixture of experts reads at most
+    ``min(num_experts, tokens · top_k)`` experts per layer (an upper bound: tokens may share experts).
+    """
+    if not chunks:
+        raise ValueError("step_cost needs at least one (cached, new) chunk")
+    for cached, new in chunks:
+        if cached < 0 or new < 1:
+            raise ValueError(f"each chunk needs cached >= 0 and new >= 1, got ({cached}, {new})")
+    kv_dtype_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+    tokens = sum(new for _, new in chunks)
+    seqs = len(chunks)
+    hidden, vocab = config.hidden_size, config.vocab_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    windows = _windows(config)
+
+    # FLOPs.
+    linear_flops = 2 * tokens * matmul_weights_per_token(config)
+    keys_seen = sum(_sum_min(cached + 1, cached + new, w) for w in windows for cached, new in chunks)
+    attention_flops = 4 * q_dim * keys_seen
+    lm_head_flops = 2 * seqs * hidden * vocab
+
+    # Weights: the layers and the final norm, and the LM head matrix (the embedding table when tied).
+    # Embedding lookups touch only one row per token; they are counted with the activations.
+    params = count_parameters(config)
+    layer_params = params.non_embedding
+    if config.is_moe:
+        per_layer_expert = _expert_params(config)
+        experts_read = min(config.num_experts, tokens * config.num_experts_per_tok)
+        layer_params -= config.num_hidden_layers * (config.num_experts - experts_read) * per_layer_expert
+    weight_bytes = dtype_bytes * (layer_params + vocab * hidden)
+
+    # KV cache: each layer reads the union of the windows its new queries see, and writes the new K/V.
+    kv_layer_token = 2 * kv_dim * kv_dtype_bytes
+    kv_read = 0
+    for w in windows:
+        for cached, new in chunks:
+            end = cached + new
+            start = 0 if w is None else max(0, cached - w + 1)
+            kv_read += (end - start) * kv_layer_token
+    kv_write = tokens * kv_layer_token * config.num_hidden_layers
+
+    # Activations, per token and layer: qkv_proj in/out, attention q in / out, o_proj in/out, then
+    # the MLP (per routed expert: gate_up in/out and down in/out; plus the router's in/out).
+    inter = config.intermediate_size
+    mlp_io = hidden + 2 * inter + inter + hidden
+    if config.is_moe:
+        mlp_io = config.num_experts_per_tok * mlp_io + hidden + config.num_experts
+    per_token_layer = (hidden + q_dim + 2 * kv_dim) + 2 * q_dim + (q_dim + hidden) + mlp_io
+    # Plus the embedding row each token looks up, and the LM head's input and logits per sampled row.
+    activation_elems = tokens * (config.num_hidden_layers * per_token_layer + hidden) + seqs * (hidden + vocab)
+    activation_bytes = dtype_bytes * activation_elems
+
+    return StepCost(num_tokens=tokens, num_sequences=seqs, linear_flops=linear_flops,
+                    attention_flops=attention_flops, lm_head_flops=lm_head_flops, weight_bytes=weight_bytes,
+                    kv_read_bytes=kv_read, kv_write_bytes=kv_write, activation_bytes=activation_bytes)
+
+
+def prefill_cost(config: ModelConfig, prompt_len: int, batch: int = 1, cached: int = 0, dtype_bytes: int = 2,
+                 kv_dtype_bytes: int | None = None) -> StepCost:
+    """One step that prefills ``batch`` prompts of ``prompt_len`` tokens each (after ``cached`` cached ones).
+
+    See :func:`step_cost` for what is counted.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    return step_cost(config, [(cached, prompt_len)] * batch, dtype_bytes, kv_dtype_bytes)
+
+
+def decode_cost(config: ModelConfig, batch: int, context: int | Sequence[int], dtype_bytes: int = 2,
+                kv_dtype_bytes: int | None = None) -> StepCost:
+    """One decode step of ``batch`` sequences: one new token each, attending to ``context`` keys.
+
+    ``context`` is one length for all sequences or one per sequence, the new token included (a
+    sequence of ``n`` tokens so far decodes at context ``n``). See :func:`step_cost`.
+    """
+    contexts = [context] * batch if isinstance(context, int) else list(context)
+    if len(contexts) != batch:
+        raise ValueError(f"got {len(contexts)} context lengths for a batch of {batch}")
+    if batch < 1 or min(contexts) < 1:
+        raise ValueError(f"batch and every context must be at least 1, got batch {batch}, contexts {contexts}")
+    return step_cost(config, [(c - 1, 1) for c in contexts], dtype_bytes, kv_dtype_bytes)
+
+
+# --- devices --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What bounds a device on the roofline: peak matmul FLOP/s and memory bandwidth (bytes/s)."""
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float
+    #: Where the figures come from (a datasheet, or "measured").
+    source: str = ""
+
+    @property
+    def ridge_point(self) -> float:
+        """The arithmetic intensity (FLOP/byte) at which memory stops being the limit."""
+        return self.peak_flops / self.mem_bandwidth
+
+    def attainable_flops(self, intensity: float) -> float:
+        """The roofline: ``min(peak, intensity · bandwidth)`` FLOP/s."""
+        return min(self.peak_flops, intensity * self.mem_bandwidth)
+
+
+#: NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 tensor core (1,979 with 2:4 sparsity), 3.35 TB/s HBM3.
+#: Source: NVIDIA H100 Tensor Core GPU datasheet.
+H100_SXM = DeviceSpec("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 datasheet (dense BF16)")
+#: NVIDIA H200 SXM: the same compute as H100 SXM, 4.8 TB/s HBM3e. Source: NVIDIA H200 datasheet.
+H200 = DeviceSpec("H200", 989e12, 4.8e12, "NVIDIA H200 datasheet (dense BF16)")
+
+
+# --- real model shapes ----------------------------------------------------------------------------
+
+#: The shape fields of public ``config.json`` files on the Hugging Face hub (repository in each
+#: comment), read with :meth:`ModelConfig.from_dict` like any checkpoint's config.
+_PRESET_CONFIGS: dict[str, dict] = {
+    # huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json — 8,030,261,248 parameters
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
+    # huggingface.co/meta-llama/Llama-2-7b-hf/blob/main/config.json — 6,738,415,616 parameters
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    # huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json — 596,049,920 parameters
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True, attention_bias=False, bos_token_id=151643,
+                       eos_token_id=151645),
+    # huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json — 46,702,792,704 parameters
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                         tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                         sliding_window=None, bos_token_id=1, eos_token_id=2),
+}
+
+#: Named shapes of real models, for costing without downloading them.
+MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig.from_dict(raw) for name, raw in _PRESET_CONFIGS.items()}
+
+
+def preset(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a real model by name (see :data:`MODEL_PRESETS`)."""
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(MODEL_PRESETS)}") from None
+
+
+__all__ = [
+    "H100_SXM",
+    "H200",
+    "MODEL_PRESETS",
+    "DeviceSpec",
+    "ParamCounts",
+    "StepCost",
+    "arithmetic_intensity",
+    "count_parameters",
+    "decode_cost",
+    "kv_bytes_per_token",
+    "matmul_weights_per_token",
+    "prefill_cost",
+    "preset",
+    "step_cost",
+]
