@@ -63,6 +63,7 @@ def test_ttft_tpot_bar_heights_are_the_metrics_in_ms(outputs):
     assert ttft == pytest.approx([10.0, 30.0, 20.0])
     assert tpot == pytest.approx([2.0, 5.0, 0.0])  # one token: no TPOT, an empty bar
     assert [t.get_text() for t in ax.texts] == ["10.0", "30.0", "20.0", "2.0", "5.0", "n/a"]
+    assert ax.get_ylim()[1] > 30.0  # headroom above the tallest bar for its label
     assert [t.get_text() for t in ax.get_xticklabels()] == ["req 0", "req 1", "req 2"]
 
 

@@ -146,8 +146,11 @@ def plot_ttft_tpot(outputs: Sequence[RequestOutput], ax: Axes | None = None) -> 
     ax.set_xticks(xs, [_label(out) for out in outputs])
     ax.set_ylabel("milliseconds")
     ax.set_title("time to first token vs time per output token")
-    ax.margins(y=0.15)  # room for the bar labels
-    ax.legend(frameon=False)
+    # Headroom above the tallest bar keeps its label clear of the legend.
+    tallest = max((v for v in ttft + tpot if not math.isnan(v)), default=0.0)
+    if tallest > 0:
+        ax.set_ylim(0, tallest * 1.35)
+    ax.legend(frameon=False, loc="upper center", ncols=2)
     return ax
 
 
