@@ -47,6 +47,8 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    #: Bias on the attention output projection (Llama and Qwen3 with ``attention_bias``; never Qwen2).
+    o_proj_bias: bool = False
     qk_norm: bool = False
     #: Per layer: ``None`` for full attention, else the number of most recent keys a query sees.
     sliding_windows: tuple[int | None, ...] = ()
@@ -101,6 +103,7 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_read_sliding_windows(raw, layers),
             eos_token_ids=eos_ids,

@@ -175,3 +175,17 @@ def test_max_model_len_is_checked(tmp_path):
     small = LLM(tmp_path, max_model_len=16)
     with pytest.raises(ValueError, match="at most 15"):
         small.generate([list(range(1, 17))], GREEDY)
+
+
+def test_top_p_one_and_top_k_minus_one_filter_nothing():
+    from minipd.layers.sampler import top_k_top_p_filter
+
+    logits = torch.randn(3, 4096) * 8
+    same = top_k_top_p_filter(logits, torch.tensor([-1, -1, -1]), torch.tensor([1.0, 1.0, 1.0]))
+    assert torch.equal(same, logits)
+    mixed = top_k_top_p_filter(logits, torch.tensor([-1, 5, -1]), torch.tensor([1.0, 1.0, 0.5]))
+    assert torch.isfinite(mixed[0]).all()
+    assert int(torch.isfinite(mixed[1]).sum()) == 5
+    kept = torch.isfinite(mixed[2])
+    probs = logits[2].softmax(-1)
+    assert probs[kept].sum() >= 0.5 and probs[kept].sum() - probs[kept].min() < 0.5

@@ -21,6 +21,7 @@ CASES = [
     ("qwen2", False, None),  # q/k/v biases
     ("qwen3", True, None),  # q/k RMSNorm, explicit head_dim, tied
     ("qwen3", False, "60KB"),
+    ("llama-bias", False, None),  # attention_bias: q/k/v and o_proj biases
     ("mixtral", False, None),  # mixture of experts
 ]
 
@@ -29,7 +30,8 @@ CASES = [
 def models(request, tmp_path_factory):
     family, tie, shard = request.param
     folder = tmp_path_factory.mktemp(family)
-    hf = make_hf_model(folder, family, tie=tie, max_shard_size=shard)
+    overrides = {"attention_bias": True} if family == "llama-bias" else {}
+    hf = make_hf_model(folder, family.removesuffix("-bias"), tie=tie, max_shard_size=shard, **overrides)
     return hf, folder
 
 

@@ -14,20 +14,29 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
     ``top_k`` (B,) uses -1 for "all tokens"; ``top_p`` (B,) keeps the smallest set of most likely
     tokens whose probabilities sum to at least ``top_p`` (the most likely token always stays).
+    Rows with ``top_k == -1`` and ``top_p == 1`` come back unchanged.
     """
     vocab = logits.shape[-1]
+    use_k, use_p = top_k > 0, top_p < 1
+    if not bool((use_k | use_p).any()):
+        return logits  # nothing to filter: skip the sort
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, vocab).to(logits.device)
+    k = torch.where(use_k, top_k, vocab).to(logits.device)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.to(logits.device)[:, None], float("-inf"))
+    if bool(use_p.any()):
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 keep everything, whatever float rounding does to the cumulative sum.
+        cut = (mass_before >= top_p.to(logits.device)[:, None]) & use_p.to(logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
     """The distribution one request samples from, for a (V,) or (B, V) logits tensor (temperature > 0)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to define a distribution (0 is greedy), got {temperature}")
     rows = logits.reshape(-1, logits.shape[-1]).float() / temperature
     n = rows.shape[0]
     filtered = top_k_top_p_filter(rows, torch.full((n,), top_k), torch.full((n,), float(top_p)))

@@ -34,7 +34,7 @@ class SelfAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
