@@ -69,6 +69,7 @@ def plot_schedule_timeline(timeline: Timeline, ax: Axes | None = None, title: st
     """
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     if not timeline.steps:
         raise ValueError("plot_schedule_timeline needs a timeline with at least one step")
@@ -92,6 +93,7 @@ def plot_schedule_timeline(timeline: Timeline, ax: Axes | None = None, title: st
                 if phase == "prefill":
                     ax.text(s, r, str(n), ha="center", va="center", fontsize=6 if n >= 100 else 7)
     ax.set_yticks(range(rows), timeline.labels)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("engine step")
     ax.set_title(title if title is not None else f"{timeline.scheme} batching: {timeline.num_steps} steps")
     present = [p for p in PHASE_LABELS if any(p in row for row in timeline.phase_rows())]
