@@ -26,10 +26,11 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  sliding_window: int | None = None) -> torch.Tensor:
     """One query per sequence: ``q`` (B, q_heads, D) against each sequence's paged K/V; returns (B, q_heads, D).
 
-    All sequences are gathered into one padded (B, S, kv_heads, D) tensor and masked past their
-    length, so the whole batch is one attention call instead of B small ones.
+    Sequences are gathered into padded (B, S, kv_heads, D) tensors and masked past their length,
+    so a batch is a few attention calls instead of B small ones. Padding is wasted work, so the
+    sequences are first sorted by length and split into a few groups, each padded to its own longest.
     """
-    batch, _, dim = q.shape
+    batch = q.shape[0]
     if batch == 1:
         # A lone sequence needs no padding and so no mask: gather exactly its (windowed) context.
         length = int(context_lens[0])
@@ -38,10 +39,34 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         v = gather_kv(v_cache, block_tables[0], length)[first:].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
         return out.squeeze(2)
+    lengths = context_lens.tolist()
+    order = sorted(range(batch), key=lengths.__getitem__)
+    groups = [order[i * batch // DECODE_GROUPS:(i + 1) * batch // DECODE_GROUPS] for i in range(DECODE_GROUPS)]
+    groups = [g for g in groups if g]
+    if len(groups) == 1:
+        return _padded_decode(q, k_cache, v_cache, block_tables, context_lens, max(lengths), scale, sliding_window)
+    out = torch.empty_like(q)
+    for group in groups:
+        idx = torch.tensor(group, device=q.device)
+        out[idx] = _padded_decode(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx],
+                                  lengths[group[-1]], scale, sliding_window)
+    return out
+
+
+#: Length groups a decode batch is split into (see :func:`paged_decode_attention_torch`).
+DECODE_GROUPS = 4
+
+
+def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, longest: int, scale: float,
+                   sliding_window: int | None) -> torch.Tensor:
+    batch, _, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    span = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(batch, span, kv_heads, dim).transpose(1, 2)
-    v = v_cache[block_tables].view(batch, span, kv_heads, dim).transpose(1, 2)
+    blocks = -(-longest // block_size)
+    span = blocks * block_size
+    tables = block_tables[:, :blocks]
+    k = k_cache[tables].view(batch, span, kv_heads, dim).transpose(1, 2)
+    v = v_cache[tables].view(batch, span, kv_heads, dim).transpose(1, 2)
     pos = torch.arange(span, device=q.device)[None, :]
     lens = context_lens.to(q.device)[:, None]
     mask = pos < lens
