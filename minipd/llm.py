@@ -111,13 +111,19 @@ class LLM:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
         request = self.engine.make_request(prompts[0], params)
+        outbox = self.engine.watch(request.request_id)
         self.engine.add(request)
         try:
-            while request.finish_reason is None:
-                for delta in self.engine.step():
-                    if delta.request_id == request.request_id:
-                        yield delta
+            while True:
+                while outbox:
+                    delta = outbox.popleft()
+                    yield delta
+                    if delta.finished:
+                        return
+                # Another stream's step may already have produced our next token; step only when none is queued.
+                self.engine.step()
         finally:
+            self.engine.unwatch(request.request_id)
             self.engine.abort(request.request_id)
 
     def abort(self, request_id: str) -> bool:

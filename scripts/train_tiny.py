@@ -44,8 +44,8 @@ MOE = dict(
     router_aux_loss_coef=0.02, output_router_logits=True,
 )
 SETTINGS = {
-    "tiny-py": dict(arch=DENSE, steps=1400, batch=16, seq=256, lr=3e-3),
-    "tiny-py-moe": dict(arch=MOE, steps=1000, batch=16, seq=256, lr=3e-3),
+    "tiny-py": dict(arch=DENSE, steps=1900, batch=16, seq=256, lr=5e-3),
+    "tiny-py-moe": dict(arch=MOE, steps=1500, batch=16, seq=256, lr=5e-3),
 }
 
 

@@ -236,3 +236,22 @@ def test_pool_size_from_memory_budget(model_dir):
     per_token = llm.config.kv_bytes_per_token(4)
     assert llm.engine.pool.num_blocks == (1 << 20) // (per_token * 16)
     assert llm.kv_capacity_tokens == llm.engine.pool.num_blocks * 16
+
+
+def test_interleaved_streams_each_get_every_token(model_dir):
+    folder, _ = model_dir
+    llm = LLM(folder)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate([[3, 4, 5], [6, 7, 8, 9]], params)]
+    a, b = llm.stream([3, 4, 5], params), llm.stream([6, 7, 8, 9], params)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    live = {"a": a, "b": b}
+    while live:
+        for name in list(live):
+            delta = next(live[name], None)
+            if delta is None:
+                del live[name]
+            else:
+                got[name].append(delta.token_id)
+    assert [got["a"], got["b"]] == expected
+    assert_pool_is_whole(llm.engine)

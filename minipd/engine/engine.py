@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 import torch
 
@@ -48,6 +49,8 @@ class Engine:
                                    config.scheduling_policy)  # type: ignore[arg-type]
         self.runner = ModelRunner(model, self.pool, self.kernels)
         self.requests: dict[str, Request] = {}
+        #: Deltas kept for streamed requests until their consumer takes them (see :meth:`watch`).
+        self.outboxes: dict[str, deque[StreamDelta]] = {}
         self.step_stats: list[StepStats] = []
         self._seed_source = torch.Generator().manual_seed(seed if seed is not None else time.time_ns())
         self._ids = itertools.count()
@@ -114,6 +117,14 @@ class Engine:
         """Check, encode and queue one prompt; returns the request id to follow it by."""
         return self.add(self.make_request(prompt, params or SamplingParams(), request_id=request_id))
 
+    def watch(self, request_id: str) -> deque[StreamDelta]:
+        """Keep every future delta of ``request_id`` in a queue, so several streams can share the engine."""
+        return self.outboxes.setdefault(request_id, deque())
+
+    def unwatch(self, request_id: str) -> None:
+        """Stop keeping deltas for ``request_id``."""
+        self.outboxes.pop(request_id, None)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
         request = self.requests.pop(request_id, None)
@@ -133,6 +144,9 @@ class Engine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.has_unfinished():
+                # Requests are checked to fit the pool on arrival, so this is a bug, not a load condition.
+                raise RuntimeError("the scheduler could not schedule any of the waiting requests")
             return []
         num_prefill = num_decode = 0
         for request, n in batch.entries:
@@ -153,7 +167,10 @@ class Engine:
             if request.finish_reason is not None:
                 self.scheduler.finish(request)
                 self.requests.pop(request.request_id, None)
-            deltas.append(StreamDelta(request.request_id, token, text, request.finish_reason, request.to_output))
+            delta = StreamDelta(request.request_id, token, text, request.finish_reason, request.to_output)
+            deltas.append(delta)
+            if request.request_id in self.outboxes:
+                self.outboxes[request.request_id].append(delta)
         bm = self.block_manager
         self.step_stats.append(StepStats(
             start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
