@@ -64,6 +64,11 @@ class LLM:
         return self.engine.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights and activations."""
+        return self.engine.dtype
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """How many tokens of K/V fit in the pool, across all requests."""
         return self.engine.kv_capacity_tokens

@@ -19,7 +19,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids for ``text``, with the special tokens (e.g. BOS) the model expects."""
-        return list(self.hf(text)["input_ids"])
+        # verbose=False: minipd checks prompt lengths itself, with a clearer error than HF's warning.
+        return list(self.hf(text, verbose=False)["input_ids"])
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text for ``token_ids``; end-of-sequence and other special tokens are left out by default."""

@@ -140,7 +140,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SETTINGS), required=True)
     parser.add_argument("--steps", type=int, help="override the number of optimizer steps")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: run both models side by side on two cores)")
+    parser.add_argument("--out-dir", type=Path, default=MODELS_DIR,
+                        help="where the model folder goes (default assets/models; use another for trial runs)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -194,12 +197,13 @@ def main() -> None:
     minutes = (time.time() - start) / 60
     final_eval = history["eval_loss"][-1]
 
-    out_dir = MODELS_DIR / args.model
+    out_dir = args.out_dir / args.model
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.use_cache = True
     if hasattr(model.config, "output_router_logits"):
         model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out_dir)
+    (out_dir / "model.safetensors").chmod(0o644)
     tok.save_pretrained(out_dir)
     # The class name transformers 4.x and 5.x both resolve, so the folder loads on either.
     tok_cfg_path = out_dir / "tokenizer_config.json"
@@ -256,12 +260,12 @@ writes Python-looking text; it is a teaching model, not a useful code model.
 | parameters | {n_params / 1e6:.2f}M |
 | architecture | {json.dumps(SETTINGS[name]['arch'])} |
 | tokenizer | byte-level BPE, {len(tok)} tokens, trained on the same training files |
-| corpus | the Python {platform.python_version()} standard library's `.py` files (tests and site-packages left out) |
+| corpus | the Python {platform.python_version()} standard library's `.py` files (tests, site-packages, the codec tables of `encodings/` and `pydoc_data/` left out) |
 | training files / tokens | {n_train_files} / {n_train_tokens:,} |
 | held-out files / tokens | {len(held_names)} / {n_held_tokens:,} ({HELD_OUT_PERCENT}% of files, chosen by path hash) |
 | steps x batch x sequence | {cfg['steps']} x {cfg['batch']} x {cfg['seq']} (AdamW, peak lr {cfg['lr']}, cosine) |
 | held-out loss | {eval_loss:.3f} nats/token (perplexity {math.exp(eval_loss):.1f}) |
-| training time | {minutes:.1f} min on {torch.get_num_threads()} CPU threads, seed 0 |
+| training time | {minutes:.1f} min with {torch.get_num_threads()} CPU thread(s), bf16 autocast, seed 0 |
 | weights | bfloat16 safetensors |
 
 ![loss curve](loss_curve.png)
