@@ -249,6 +249,8 @@ def write_card(out_dir, name, n_params, cfg, n_train_files, n_train_tokens, held
             out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.eos_token_id)
         samples.append(tok.decode(out[0]))
     arch = "Llama (dense)" if name == "tiny-py" else "Mixtral (8 experts, top-2)"
+    corpus = (f"the Python {platform.python_version()} standard library's `.py` files (tests, site-packages, "
+              "the codec tables of `encodings/` and `pydoc_data/` left out)")
     sample_text = "\n\n".join(f"```python\n{s}\n```" for s in samples)
     card = f"""# {name}
 
@@ -260,7 +262,7 @@ writes Python-looking text; it is a teaching model, not a useful code model.
 | parameters | {n_params / 1e6:.2f}M |
 | architecture | {json.dumps(SETTINGS[name]['arch'])} |
 | tokenizer | byte-level BPE, {len(tok)} tokens, trained on the same training files |
-| corpus | the Python {platform.python_version()} standard library's `.py` files (tests, site-packages, the codec tables of `encodings/` and `pydoc_data/` left out) |
+| corpus | {corpus} |
 | training files / tokens | {n_train_files} / {n_train_tokens:,} |
 | held-out files / tokens | {len(held_names)} / {n_held_tokens:,} ({HELD_OUT_PERCENT}% of files, chosen by path hash) |
 | steps x batch x sequence | {cfg['steps']} x {cfg['batch']} x {cfg['seq']} (AdamW, peak lr {cfg['lr']}, cosine) |
