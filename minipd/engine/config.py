@@ -12,7 +12,7 @@ class EngineConfig:
     Args:
         block_size: tokens per KV block.
         num_kv_blocks: blocks in the pool; when None, sized from ``kv_cache_memory``.
-        kv_cache_memory: bytes for K and V; when None, 1 GiB on CPU or half the free GPU memory,
+        kv_cache_memory: bytes for K and V; when None, 256 MiB on CPU or half the free GPU memory,
             and never more than ``max_num_seqs`` full-length sequences need.
         max_num_batched_tokens: token budget of one step, shared by decodes and prefill chunks.
         max_num_seqs: most requests running at once.

@@ -26,7 +26,8 @@ from minipd.outputs import RequestMetrics, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
 
-CPU_KV_MEMORY = 1 << 30
+#: Default KV budget on CPU: room for ~85k tokens of tiny-py, and quick to allocate.
+CPU_KV_MEMORY = 256 << 20
 
 
 class Engine:
