@@ -227,6 +227,9 @@ def test_request_too_big_for_the_pool_is_rejected_and_engine_keeps_working(model
     with pytest.raises(ValueError, match="num_kv_blocks"):
         llm.generate([[1] * 30], SamplingParams(max_tokens=10))
     assert len(llm.generate([[1] * 10], SamplingParams(temperature=0, max_tokens=5))[0].token_ids) <= 5
+    # 30 prompt tokens + 3 new ones: the last new token is never stored, so 32 slots are exactly enough.
+    exact = llm.generate([[1] * 30], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(exact.token_ids) == 3
     assert_pool_is_whole(llm.engine)
 
 

@@ -90,7 +90,8 @@ class Engine:
             ids, text = list(prompt), None
         check_prompt_ids(index, ids, self.model.config.vocab_size, self.max_model_len)
         longest = min(self.max_model_len, len(ids) + params.max_tokens)
-        blocks = -(-longest // self.config.block_size)
+        # The last sampled token is never fed back, so its K/V never need a slot.
+        blocks = -(-(longest - 1) // self.config.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompts[{index}] may grow to {longest} tokens ({blocks} KV blocks) but the pool has "
                              f"{self.block_manager.num_blocks} blocks; raise num_kv_blocks or lower max_tokens")

@@ -27,9 +27,14 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+#: Parent hash of a sequence's first block. A fixed integer, not None: hashes of ints and tuples of
+#: ints are the same in every process, which moving blocks between workers relies on.
+ROOT_HASH = 0
+
+
 def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     """Identity of a full block: its tokens and everything before it (through the parent's hash)."""
-    return hash((parent, tuple(token_ids)))
+    return hash((ROOT_HASH if parent is None else parent, tuple(token_ids)))
 
 
 @dataclass
