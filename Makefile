@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# The course in JupyterLab on the bundled model; headless machines get the URL printed instead of a browser.
+# The course in JupyterLab on the bundled model; headless machines get the URL printed instead of a
+# browser, and containers that run as root are allowed to.
 lab: install
-	$(PY) -m jupyter lab --notebook-dir=chapters $(if $(DISPLAY)$(filter Darwin,$(shell uname)),,--no-browser) $(LAB_ARGS)
+	$(PY) -m jupyter lab --notebook-dir=chapters $(if $(DISPLAY)$(filter Darwin,$(shell uname)),,--no-browser) \
+		$(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: install lint unit nbval
 
