@@ -62,3 +62,17 @@ def make_hf_model(folder: Path, family: str, tie: bool = False, seed: int = 0, m
     model.save_pretrained(folder, **kwargs)
     save_tokenizer(folder)
     return model
+
+
+def by_gid(ax, gid: str):
+    """The one artist of ``ax`` (collection or line) whose gid is ``gid``: plots tag what tests read."""
+    found = [a for a in [*ax.collections, *ax.lines] if a.get_gid() == gid]
+    assert len(found) == 1, f"expected one artist with gid {gid!r}, found {len(found)}"
+    return found[0]
+
+
+def bars(ax, label: str):
+    """The one bar container of ``ax`` labelled ``label``."""
+    found = [c for c in ax.containers if c.get_label() == label]
+    assert len(found) == 1, f"expected one bar container labelled {label!r}, found {len(found)}"
+    return found[0]

@@ -7,6 +7,7 @@ import sys
 
 import matplotlib
 import pytest
+from helpers import bars, by_gid
 
 matplotlib.use("Agg")
 
@@ -36,24 +37,6 @@ def outputs() -> list[RequestOutput]:
         fake_output("1", 100.000, 100.016, [100.030, 100.035, 100.040]),           # TTFT 30 ms, TPOT 5 ms
         fake_output("2", 100.005, None, [100.025]),                                 # TTFT 20 ms, no TPOT
     ]
-
-
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
-
-
-def by_gid(ax, gid: str):
-    found = [a for a in [*ax.collections, *ax.lines] if a.get_gid() == gid]
-    assert len(found) == 1, f"expected one artist with gid {gid!r}, found {len(found)}"
-    return found[0]
-
-
-def bars(ax, label: str):
-    found = [c for c in ax.containers if c.get_label() == label]
-    assert len(found) == 1, f"expected one bar container labelled {label!r}, found {len(found)}"
-    return found[0]
 
 
 def test_ttft_tpot_bar_heights_are_the_metrics_in_ms(outputs):

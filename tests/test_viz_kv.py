@@ -7,7 +7,6 @@ import pytest
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgba
 
 from minipd.kv.block_manager import BlockAllocation, BlockManager
@@ -21,12 +20,6 @@ from minipd.viz.kv import (
     sequence_colors,
     snapshot_pool,
 )
-
-
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
 
 
 def admit(bm: BlockManager, tokens: list[int]) -> BlockAllocation:

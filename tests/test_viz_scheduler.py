@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import matplotlib
 import pytest
+from helpers import bars, by_gid
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt
 
 from minipd.batching import PHASES, LoadPoint, StepRecord, Timeline
 from minipd.engine.stats import StepStats
@@ -22,12 +22,6 @@ from minipd.viz.scheduler import (
 )
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    plt.close("all")
-
-
 @pytest.fixture
 def timeline() -> Timeline:
     """r0 decodes throughout; r1 arrives at step 1, is prefilled in two chunks, then preempted and redone."""
@@ -40,18 +34,6 @@ def timeline() -> Timeline:
         StepRecord(5, 0.05, 0.01, {"r0": "done", "r1": "stalled"}, {}),
     ]
     return Timeline("continuous", ["r0", "r1"], ["0", "1"], [0, 1], steps)
-
-
-def by_gid(ax, gid: str):
-    found = [a for a in [*ax.collections, *ax.lines] if a.get_gid() == gid]
-    assert len(found) == 1, f"expected one artist with gid {gid!r}, found {len(found)}"
-    return found[0]
-
-
-def bars(ax, label: str):
-    found = [c for c in ax.containers if c.get_label() == label]
-    assert len(found) == 1, f"expected one bar container labelled {label!r}, found {len(found)}"
-    return found[0]
 
 
 def stats(prefill: list[int], decode: list[int], preempt: list[int], used: list[int], total: int = 10
