@@ -201,8 +201,8 @@ class _Recorder:
         before = {}
         for i, r in enumerate(self.requests):
             if r is not None:
-                before[i] = (r.num_computed_tokens, r.num_tokens, len(r.token_ids), r.num_preemptions,
-                             r.status, r.finish_reason is not None)
+                before[i] = (r.num_computed_tokens, len(r.token_ids), r.metrics.preemptions, r.status,
+                             r.finish_reason is not None, r.is_decode(1))
         start = time.perf_counter()
         ran = self.engine.has_unfinished_requests()
         if ran:
@@ -217,22 +217,21 @@ class _Recorder:
             if r is None:
                 phases[key] = "queued"
                 continue
-            computed, num_tokens, num_out, preemptions, status, was_finished = before[i]
+            computed, num_out, preemptions, status, was_finished, next_is_decode = before[i]
             delta = r.num_computed_tokens - computed
             if was_finished:
                 phases[key] = "idle" if batch is not None and i in batch else "done"
-            elif r.num_preemptions > preemptions:
+            elif r.metrics.preemptions > preemptions:
                 phases[key] = "preempted"
             elif delta > 0:
                 tokens[key] = delta
-                # The engine's own rule: one token right after the last computed one, with output so far.
-                is_decode = delta == 1 and computed + 1 == num_tokens and num_out > 0
-                phases[key] = "decode" if is_decode else "prefill"
+                # The engine's own rule (Request.is_decode), asked before the step ran.
+                phases[key] = "decode" if delta == 1 and next_is_decode else "prefill"
             elif status is RequestStatus.RUNNING:
                 phases[key] = "stalled"
             else:
                 phases[key] = "queued"
-            if r is not None and len(r.token_ids) > before[i][2]:
+            if len(r.token_ids) > num_out:
                 emitted.add(key)
         self.timeline.steps.append(StepRecord(clock, start, duration, phases, tokens, frozenset(emitted)))
 

@@ -22,7 +22,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     #: How many prompt tokens were computed by prefill.
     prefill_tokens: int = 0
-    #: Prompt tokens whose K/V came from the prefix cache instead of being computed.
+    #: Prompt tokens whose K/V came from the prefix cache, summed over every time it was (re)admitted.
     cached_tokens: int = 0
     #: How many times the request lost its KV blocks to a newer one and was recomputed.
     preemptions: int = 0

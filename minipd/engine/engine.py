@@ -154,7 +154,7 @@ class Engine:
         for request, n in batch.entries:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
-            if n == 1 and request.num_computed_tokens + 1 == request.num_tokens and request.token_ids:
+            if request.is_decode(n):
                 num_decode += 1
             else:
                 num_prefill += n

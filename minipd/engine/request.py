@@ -41,9 +41,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     #: Tokens (prompt, then output) whose K/V are in the cache.
     num_computed_tokens: int = 0
-    #: Prompt tokens served by the prefix cache, summed over every time the request was scheduled.
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
     blocks: BlockAllocation = field(default_factory=BlockAllocation)
 
     @property
@@ -55,6 +52,10 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt and output tokens so far."""
         return len(self.prompt_token_ids) + len(self.token_ids)
+
+    def is_decode(self, num_new: int) -> bool:
+        """Whether computing ``num_new`` tokens now is a decode step: the one token sampled last."""
+        return num_new == 1 and self.num_computed_tokens + 1 == self.num_tokens and bool(self.token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -108,8 +109,6 @@ class Request:
 
     def to_output(self) -> RequestOutput:
         """A snapshot of the request as the public :class:`RequestOutput`."""
-        self.metrics.cached_tokens = self.num_cached_tokens
-        self.metrics.preemptions = self.num_preemptions
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

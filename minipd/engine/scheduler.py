@@ -129,7 +129,7 @@ class Scheduler:
             self.block_manager.record_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
-            request.num_cached_tokens += num_cached
+            request.metrics.cached_tokens += num_cached
             request.status = RequestStatus.RUNNING
             self._register(request, num_new)
             self.running.append(request)
@@ -144,7 +144,7 @@ class Scheduler:
         self.block_manager.free_blocks(victim.blocks, victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        victim.num_preemptions += 1
+        victim.metrics.preemptions += 1
         self.num_preemptions += 1
         returned = sum(n for r, n in batch.entries if r is victim)
         batch.entries = [(r, n) for r, n in batch.entries if r is not victim]
