@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minipd.engine.inputs import PromptInput
-from minipd.engine.request import Request, RequestStatus
+from minipd.engine.output_processor import RequestState
+from minipd.engine.request import RequestStatus
 from minipd.engine.stats import StepStats
 from minipd.outputs import RequestOutput
 from minipd.sampling_params import SamplingParams
@@ -165,8 +166,8 @@ class _Recorder:
         self.engine = llm.engine
         self.params = list(params)
         self.prompts = list(prompts)
-        self.requests: list[Request | None] = [None] * n
-        self.stats_start = len(self.engine.step_stats)
+        self.requests: list[RequestState | None] = [None] * n
+        self.stats_start = self.engine.core.num_steps
         self.timeline = Timeline(scheme, [f"r{i}" for i in range(n)], [""] * n, arrivals)
         # Wall-clock arrival of each request, so TTFT includes time queued before the engine saw it.
         self.arrival_times: list[float | None] = [None] * n
@@ -199,10 +200,11 @@ class _Recorder:
         ``batch``: the static batch now running, whose finished members count as idle slots.
         """
         before = {}
-        for i, r in enumerate(self.requests):
-            if r is not None:
-                before[i] = (r.num_computed_tokens, len(r.token_ids), r.metrics.preemptions, r.status,
-                             r.finish_reason is not None, r.is_decode(1))
+        for i, state in enumerate(self.requests):
+            if state is not None:
+                r = state.request
+                before[i] = (r.num_computed_tokens, r.num_output_tokens, r.num_preemptions, r.status,
+                             state.finished, r.is_decode(1))
         start = time.perf_counter()
         ran = self.engine.has_unfinished_requests()
         if ran:
@@ -212,16 +214,17 @@ class _Recorder:
         tokens: dict[str, int] = {}
         emitted: set[str] = set()
         for i in self.arrived(clock):
-            r = self.requests[i]
+            state = self.requests[i]
             key = self.timeline.labels[i]
-            if r is None:
+            if state is None:
                 phases[key] = "queued"
                 continue
+            r = state.request
             computed, num_out, preemptions, status, was_finished, next_is_decode = before[i]
             delta = r.num_computed_tokens - computed
             if was_finished:
                 phases[key] = "idle" if batch is not None and i in batch else "done"
-            elif r.metrics.preemptions > preemptions:
+            elif r.num_preemptions > preemptions:
                 phases[key] = "preempted"
             elif delta > 0:
                 tokens[key] = delta
@@ -231,14 +234,14 @@ class _Recorder:
                 phases[key] = "stalled"
             else:
                 phases[key] = "queued"
-            if len(r.token_ids) > num_out:
+            if r.num_output_tokens > num_out:
                 emitted.add(key)
         self.timeline.steps.append(StepRecord(clock, start, duration, phases, tokens, frozenset(emitted)))
 
     def finish(self) -> Timeline:
         tl = self.timeline
         tl.outputs = [r.to_output() for r in self.requests if r is not None]
-        tl.step_stats = list(self.engine.step_stats[self.stats_start:])
+        tl.step_stats = [s for s in self.engine.step_stats if s.step >= self.stats_start]
         return tl
 
     def abort_all(self) -> None:

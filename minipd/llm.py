@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
@@ -17,7 +18,7 @@ from tqdm.auto import tqdm
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
-from minipd.engine.inputs import PromptInput, normalize_params, normalize_prompts
+from minipd.engine.inputs import PromptInput, check_llm_args, normalize_params, normalize_prompts
 from minipd.models.loading import load_model
 from minipd.outputs import RequestOutput, StreamDelta
 from minipd.sampling_params import SamplingParams
@@ -37,13 +38,15 @@ class LLM:
         seed: seeds the random source of requests that give no ``SamplingParams.seed``.
         **engine_options: :class:`~minipd.engine.config.EngineConfig` fields — ``block_size``,
             ``num_kv_blocks``, ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
-            ``enable_prefix_caching``, ``scheduling_policy``, ``kernel_backend``.
+            ``enable_prefix_caching``, ``scheduling_policy``, ``kernel_backend``, ``kv_cache_dtype``,
+            ``stats_history``.
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, max_model_len: int | None = None, seed: int | None = None,
+                 dtype: torch.dtype | str | None = None, max_model_len: int | None = None, seed: int | None = None,
                  **engine_options: object) -> None:
         engine_config = EngineConfig.from_options(engine_options)
+        max_model_len, seed = check_llm_args(max_model_len, seed)  # before loading: bad values cost nothing
         self.model, self.model_path = load_model(model, device=device, dtype=dtype)
         self.config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer(self.model_path)
@@ -55,6 +58,8 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.engine = Engine(self.model, self.tokenizer, engine_config, self.max_model_len, frozenset(eos), seed)
+        # One lock around the engine: threads submit and step in turn, never at once.
+        self._lock = threading.RLock()
         logger.info("KV pool: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.engine.pool.num_blocks,
                     engine_config.block_size, self.kv_capacity_tokens, self.engine.pool.nbytes / 2**20)
 
@@ -84,53 +89,72 @@ class LLM:
 
         ``prompts`` is one string, one list of token ids, or a list of either. ``sampling_params``
         is one :class:`SamplingParams` for all, or one per prompt. Every prompt is checked before
-        any runs; all of them are batched together by the engine.
+        any runs; all of them are batched together by the engine. Several threads may call
+        ``generate`` and ``stream`` on one ``LLM`` at once: their requests share the engine's steps.
         """
         prompt_list = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompt_list))
         now = time.perf_counter()
-        requests = [self.engine.make_request(p, sp, index=i, arrival_time=now)
-                    for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))]
-        show = use_tqdm if use_tqdm is not None else len(requests) >= 8
-        for request in requests:
-            self.engine.add(request)
+        with self._lock:
+            states = [self.engine.make_request(p, sp, index=i, arrival_time=now)
+                      for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))]
+            for state in states:
+                self.engine.add(state)
+        show = use_tqdm if use_tqdm is not None else len(states) >= 8
         try:
-            with tqdm(total=len(requests), desc="generating", disable=not show) as bar:
-                while any(r.finish_reason is None for r in requests):
-                    deltas = self.engine.step()
-                    bar.update(sum(d.finished for d in deltas))
+            with tqdm(total=len(states), desc="generating", disable=not show) as bar:
+                done = 0
+                while done < len(states):
+                    with self._lock:
+                        # Another thread's step may have finished ours already; step only if not.
+                        if not all(s.finished for s in states):
+                            self.engine.step()
+                        finished = sum(s.finished for s in states)
+                    bar.update(finished - done)
+                    done = finished
         finally:
             # Interrupted (e.g. KeyboardInterrupt): free what this call still holds; the LLM stays usable.
-            for request in requests:
-                self.engine.abort(request.request_id)
-        return [r.to_output() for r in requests]
+            with self._lock:
+                for state in states:
+                    if not state.finished:
+                        self.engine.abort(state.request_id)
+        return [s.to_output() for s in states]
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield one :class:`StreamDelta` per generated token of ``prompt``, as soon as it is produced.
 
         Other requests in the engine keep running alongside; closing the iterator early aborts
-        this request and frees its blocks.
+        this request and frees its blocks, and :meth:`abort` of its id ends it with an ``"abort"`` delta.
         """
         prompts = normalize_prompts(prompt)
         if len(prompts) != 1:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
-        request = self.engine.make_request(prompts[0], params)
-        outbox = self.engine.watch(request.request_id)
-        self.engine.add(request)
+        with self._lock:
+            state = self.engine.make_request(prompts[0], params)
+            self.engine.add(state)
+            outbox = self.engine.watch(state.request_id)
         try:
             while True:
-                while outbox:
-                    delta = outbox.popleft()
+                with self._lock:
+                    # Another stream's step may already have produced our next token; step only when none is queued.
+                    if not outbox:
+                        self.engine.step()
+                    deltas = list(outbox)
+                    outbox.clear()
+                for delta in deltas:
                     yield delta
                     if delta.finished:
                         return
-                # Another stream's step may already have produced our next token; step only when none is queued.
-                self.engine.step()
         finally:
-            self.engine.unwatch(request.request_id)
-            self.engine.abort(request.request_id)
+            with self._lock:
+                if not state.finished:
+                    self.engine.abort(state.request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request running in this LLM's engine; its KV blocks are freed at once."""
-        return self.engine.abort(request_id)
+        """Abort a request running in this LLM's engine; its KV blocks are freed at once.
+
+        A :meth:`stream` following it ends with a final delta whose ``finish_reason`` is ``"abort"``.
+        """
+        with self._lock:
+            return self.engine.abort(request_id)

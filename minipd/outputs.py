@@ -78,11 +78,16 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """One step of a streamed request: the new token and the text it completed."""
+    """One step of a streamed request: the new token and the text it completed.
+
+    The last delta of an aborted request carries no token (``token_id`` None, ``finish_reason``
+    ``"abort"``). Text that could still become a stop string is held back until it cannot.
+    """
 
     request_id: str
-    token_id: int
-    #: Text that became printable with this token (may be empty while a character is incomplete).
+    token_id: int | None
+    #: Text that became printable with this token (may be empty while a character is incomplete
+    #: or while it could still be the start of a stop string).
     text: str
     finish_reason: str | None
     _snapshot: Callable[[], RequestOutput] = field(repr=False, compare=False)

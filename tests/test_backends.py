@@ -18,7 +18,7 @@ def test_greedy_tokens_equal_on_both_backends(options):
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM("tiny-py", kernel_backend=backend, **options)
-        assert llm.engine.kernels.name == backend
+        assert llm.engine.core.kernels.name == backend
         outputs[backend] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert outputs["torch"] == outputs["triton"]
 

@@ -104,12 +104,17 @@ def test_prefix_cache_skips_shared_prefill(model_dir):
     assert computed[True] == computed[False] - 15 * 64
 
 
-def test_requests_arriving_together_share_a_prefix_computed_in_the_same_step(model_dir):
+def test_requests_arriving_together_wait_one_step_for_a_prefix_being_computed(model_dir):
     folder, hf = model_dir
     prompts = mixed_prompts(n=8, shared_prefix=64, seed=3)
     llm = LLM(folder, block_size=16)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
-    assert len(llm.engine.step_stats) == 4  # all eight prefills ran in the first step
+    # Step 0 prefills the first request alone: the others' prefix is being computed in it, and a block
+    # is shared only once committed. Step 1 admits the seven others, which reuse it.
+    stats = list(llm.engine.step_stats)
+    assert stats[0].num_prefill_tokens == len(prompts[0])
+    assert stats[1].num_prefill_tokens == sum(len(p) - 64 for p in prompts[1:]) and stats[1].num_decode_tokens == 1
+    assert len(stats) == 5
     assert [o.metrics.cached_tokens for o in outs] == [0] + [64] * 7
     for ids, out in zip(prompts, outs, strict=True):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -149,7 +154,7 @@ def test_abort_mid_run_frees_blocks_and_spares_the_rest(model_dir, references):
     running = [r.request_id for r in engine.scheduler.running]
     victims = [*running[:3], engine.scheduler.waiting[0].request_id]
     used_before = engine.block_manager.num_used_blocks
-    held = sum(len(engine.requests[v].blocks.block_table) for v in victims)
+    held = sum(len(engine.core.requests[v].blocks.block_table) for v in victims)
     for v in victims:
         assert engine.abort(v)
     # The mixed prompts share no blocks, so every block the victims held is freed at once.

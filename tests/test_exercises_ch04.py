@@ -19,7 +19,6 @@ from minipd.engine.scheduler import Scheduler
 from minipd.exercises import ch04
 from minipd.exercises.checking import CheckResult
 from minipd.kv.block_manager import BlockManager
-from minipd.outputs import RequestMetrics
 
 
 def checker(name: str) -> Callable[[Any], CheckResult]:
@@ -133,9 +132,9 @@ def test_schedule_fail_points_at_the_first_differing_entry(capsys: pytest.Captur
 
 
 def toy_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
-    return Request(request_id=rid, prompt=None, prompt_token_ids=list(range(1, prompt_len + 1)),
-                   params=SamplingParams(max_tokens=max_tokens), generator=None, detokenizer=None,  # type: ignore[arg-type]
-                   eos_token_ids=frozenset(), max_model_len=10_000, metrics=RequestMetrics(0.0))
+    return Request(request_id=rid, all_token_ids=list(range(1, prompt_len + 1)), num_prompt_tokens=prompt_len,
+                   params=SamplingParams(max_tokens=max_tokens), seed=0, eos_token_ids=frozenset(),
+                   max_model_len=10_000, arrival_time=0.0)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -154,12 +153,11 @@ def test_reference_schedule_step_makes_the_engine_schedulers_choices(seed: int) 
         batch = scheduler.schedule()
         assert [(r.request_id, n) for r, n in batch.entries] == ch04.reference_schedule_step(
             running, waiting, budget, max_seqs), f"step {step}"
-        for request, n in batch.entries:  # what the engine does after running the model
-            request.num_computed_tokens += n
+        scheduler.commit(batch)  # what the engine does after running the model
+        for request, _ in batch.entries:
             if request.num_computed_tokens == request.num_tokens:
-                request.token_ids.append(7)
-                if len(request.token_ids) == request.params.max_tokens:
-                    request.finish_reason = "length"
+                request.append_token(7)
+                if request.is_finished:
                     scheduler.finish(request)
         if step > 15 and not scheduler.has_unfinished():
             break

@@ -1,86 +1,102 @@
-"""The step loop: schedule, run the model, sample, append tokens, finish requests, record metrics.
+"""The in-process engine: an :class:`~minipd.engine.core.EngineCore` with its front end beside it.
 
-``add_request`` / ``step`` / ``abort`` is the engine-level API that streaming, the chapters and the
-disaggregated workers build on; :class:`~minipd.llm.LLM` is a thin layer over it.
+``add_request`` / ``step`` / ``abort`` is the engine-level API that streaming, the chapters and
+:class:`~minipd.llm.LLM` build on. Prompts are checked and tokenised here, request ids handed out,
+and the core's token-id outputs turned into text deltas by the
+:class:`~minipd.engine.output_processor.OutputProcessor`. The same core can instead run behind
+queues in a thread or another process (:mod:`minipd.engine.core_client`).
 """
 
 from __future__ import annotations
 
-import itertools
+import random
 import time
 from collections import deque
 
 import torch
 
 from minipd.engine.config import EngineConfig
+from minipd.engine.core import CPU_KV_MEMORY, EngineCore
 from minipd.engine.inputs import PromptInput, check_prompt_ids
-from minipd.engine.model_runner import ModelRunner
-from minipd.engine.request import Request
-from minipd.engine.scheduler import Scheduler
+from minipd.engine.output_processor import OutputProcessor, RequestState
+from minipd.engine.request import EngineCoreOutputs, Request
 from minipd.engine.stats import StepStats
-from minipd.kernels.backend import get_backend
-from minipd.kv.block_manager import BlockManager
-from minipd.kv.paged_pool import PagedKVPool
+from minipd.kv.paged_pool import PackedKV
 from minipd.models.decoder import DecoderModel
-from minipd.outputs import RequestMetrics, StreamDelta
+from minipd.outputs import StreamDelta
 from minipd.sampling_params import SamplingParams
-from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
+from minipd.tokenizer import Tokenizer
 
-#: Default KV budget on CPU: room for ~85k tokens of tiny-py, and quick to allocate.
-CPU_KV_MEMORY = 256 << 20
+__all__ = ["CPU_KV_MEMORY", "Engine"]
 
 
 class Engine:
-    """A continuous-batching engine over a paged KV cache for one model."""
+    """A continuous-batching engine over a paged KV cache for one model, with text in and out."""
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
                  eos_token_ids: frozenset[int], seed: int | None = None) -> None:
+        self.core = EngineCore(model, config, max_model_len)
+        self.processor = OutputProcessor(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
-        self.kernels = get_backend(config.kernel_backend, self.device)
-        num_blocks = config.num_kv_blocks or self._default_num_blocks()
-        self.pool = PagedKVPool(model.config, num_blocks, config.block_size, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)  # type: ignore[arg-type]
-        self.runner = ModelRunner(model, self.pool, self.kernels)
-        self.requests: dict[str, Request] = {}
-        #: Deltas kept for streamed requests until their consumer takes them (see :meth:`watch`).
-        self.outboxes: dict[str, deque[StreamDelta]] = {}
-        self.step_stats: list[StepStats] = []
-        self._seed_source = torch.Generator().manual_seed(seed if seed is not None else time.time_ns())
-        self._ids = itertools.count()
+        self._seeds = random.Random(seed if seed is not None else time.time_ns())
+        self._next_id = 0
 
-    def _default_num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free // 2
-        else:
-            budget = CPU_KV_MEMORY
-        blocks = PagedKVPool.blocks_for_budget(self.model.config, budget, cfg.block_size, self.dtype)
-        # More than every running sequence at full length can use would only waste memory.
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return min(blocks, useful) if cfg.kv_cache_memory is None else blocks
+    # The core's parts, for the chapters and tests that look inside.
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return self.core.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype."""
+        return self.core.dtype
+
+    @property
+    def scheduler(self):
+        """The core's scheduler."""
+        return self.core.scheduler
+
+    @property
+    def block_manager(self):
+        """The core's block manager."""
+        return self.core.block_manager
+
+    @property
+    def pool(self):
+        """The core's paged KV pool."""
+        return self.core.pool
+
+    @property
+    def step_stats(self) -> deque[StepStats]:
+        """The most recent steps' records (up to ``stats_history``)."""
+        return self.core.step_stats
 
     @property
     def kv_capacity_tokens(self) -> int:
         """How many tokens of K/V the pool holds."""
-        return self.pool.num_tokens
+        return self.core.kv_capacity_tokens
 
     # ----------------------------------------------------------------------------------- requests
-    def make_request(self, prompt: PromptInput, params: SamplingParams, index: int = 0,
-                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Check and encode one prompt into a :class:`Request` without queueing it.
+    def new_request_id(self) -> str:
+        """An id no live request has: automatic ids skip ids that callers chose."""
+        while True:
+            request_id = str(self._next_id)
+            self._next_id += 1
+            if request_id not in self.processor.states and request_id not in self.core.requests:
+                return request_id
 
-        ``index`` names the prompt in error messages (``prompts[index]``).
+    def make_request(self, prompt: PromptInput, params: SamplingParams, index: int = 0,
+                     request_id: str | None = None, arrival_time: float | None = None, *,
+                     hold_kv: bool = False, num_external_tokens: int = 0) -> RequestState:
+        """Check and encode one prompt into a request without queueing it; ``index`` names it in errors.
+
+        ``hold_kv`` keeps the request's blocks after it finishes (for :meth:`export_kv`) until
+        :meth:`release_kv`; ``num_external_tokens`` says its first tokens' K/V will be given, not computed.
         """
         if isinstance(prompt, str):
             if not prompt:
@@ -88,31 +104,32 @@ class Engine:
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
             ids, text = list(prompt), None
-        check_prompt_ids(index, ids, self.model.config.vocab_size, self.max_model_len)
-        longest = min(self.max_model_len, len(ids) + params.max_tokens)
-        # The last sampled token is never fed back, so its K/V never need a slot.
-        blocks = -(-(longest - 1) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompts[{index}] may grow to {longest} tokens ({blocks} KV blocks) but the pool has "
-                             f"{self.block_manager.num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+        check_prompt_ids(index, ids, self.core.model.config.vocab_size, self.max_model_len)
+        self.core.check_fits(len(ids), params.max_tokens, what=f"prompts[{index}]")
         if request_id is None:
-            request_id = str(next(self._ids))
-        elif request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_source))
-        return Request(
-            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-            generator=torch.Generator(device=self.device).manual_seed(seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer), eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.perf_counter()),
-        )
+            request_id = self.new_request_id()
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        elif request_id in self.processor.states or request_id in self.core.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
+        arrival = arrival_time if arrival_time is not None else time.perf_counter()
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        state = self.processor.new_state(request_id, text, ids, params, arrival)
+        state.request = Request(request_id=request_id, all_token_ids=list(ids), num_prompt_tokens=len(ids),
+                                params=params, seed=seed, eos_token_ids=self.eos_token_ids,
+                                max_model_len=self.max_model_len, arrival_time=arrival,
+                                num_external_tokens=num_external_tokens, hold_kv=hold_kv)
+        return state
 
-    def add(self, request: Request) -> str:
-        """Queue a request made by :meth:`make_request`; returns its id."""
-        self.requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+    def add(self, state: RequestState, kv: PackedKV | None = None) -> str:
+        """Queue a request made by :meth:`make_request` (with its first tokens' K/V, if given); returns its id."""
+        if state.request is None:
+            raise ValueError("this request state was not made by make_request")
+        if state.request_id in self.processor.states:
+            raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
+        self.core.add_request(state.request, kv)
+        self.processor.add(state)
+        return state.request_id
 
     def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -121,62 +138,37 @@ class Engine:
 
     def watch(self, request_id: str) -> deque[StreamDelta]:
         """Keep every future delta of ``request_id`` in a queue, so several streams can share the engine."""
-        return self.outboxes.setdefault(request_id, deque())
-
-    def unwatch(self, request_id: str) -> None:
-        """Stop keeping deltas for ``request_id``."""
-        self.outboxes.pop(request_id, None)
+        return self.processor.watch(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; False if it is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
-        if request is None or request.finish_reason is not None:
-            return False
-        request.abort(time.perf_counter())
-        self.scheduler.finish(request)
-        return True
+        """Stop a request now and free its KV blocks; its stream ends with an ``"abort"`` delta.
+
+        Returns False if it is unknown or already finished.
+        """
+        live = request_id in self.processor.states
+        self._deliver(EngineCoreOutputs(self.core.abort_requests([request_id]), time.perf_counter()))
+        return live
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished_requests()
+
+    # --------------------------------------------------------------------------------- KV moves
+    def export_kv(self, request_id: str, num_tokens: int | None = None) -> PackedKV:
+        """The K/V of a request (running, or finished with ``hold_kv``), packed per layer."""
+        return self.core.export_kv(request_id, num_tokens)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished ``hold_kv`` request kept."""
+        return self.core.release_kv(request_id)
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
-        """Run one scheduling step; return a delta for every request that got a token."""
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.has_unfinished():
-                # Requests are checked to fit the pool on arrival, so this is a bug, not a load condition.
-                raise RuntimeError("the scheduler could not schedule any of the waiting requests")
-            return []
-        num_prefill = num_decode = 0
-        for request, n in batch.entries:
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = start
-            if request.is_decode(n):
-                num_decode += 1
-            else:
-                num_prefill += n
-                request.metrics.prefill_tokens += n
-        sampled, tokens = self.runner.execute(batch)
-        for request, n in batch.entries:
-            request.num_computed_tokens += n
-        now = time.perf_counter()
-        deltas = []
-        for request, token in zip(sampled, tokens, strict=True):
-            text = request.append_token(token, now)
-            if request.finish_reason is not None:
-                self.scheduler.finish(request)
-                self.requests.pop(request.request_id, None)
-            delta = StreamDelta(request.request_id, token, text, request.finish_reason, request.to_output)
-            deltas.append(delta)
-            if request.request_id in self.outboxes:
-                self.outboxes[request.request_id].append(delta)
-        bm = self.block_manager
-        self.step_stats.append(StepStats(
-            start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
-            prefix_hit_rate=bm.stats.hit_rate, num_preemptions=len(batch.preempted)))
+        """Run one scheduling step; return a delta for every request that got a token or finished."""
+        return self._deliver(self.core.step())
+
+    def _deliver(self, outputs: EngineCoreOutputs) -> list[StreamDelta]:
+        deltas, to_abort = self.processor.process(outputs)
+        if to_abort:  # a stop string ended these in the front end: the core must let go of them too
+            self.core.abort_requests(to_abort)
         return deltas

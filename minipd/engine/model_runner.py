@@ -3,10 +3,15 @@
 Every token of the step goes into one flat batch (decodes first, then prefill chunks) with its
 position and the pool slot its K/V go to; attention learns from the block tables which slots
 each query may read. Python work here is per sequence, never per token.
+
+The step's inputs are written into buffers allocated once (pinned on CUDA, so the copy to the GPU
+is asynchronous) instead of ~9 tensors built from Python lists every step, and every length a
+kernel needs is also kept as a Python list, so no layer waits for a device-to-host copy.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minipd.engine.request import Request
@@ -16,81 +21,124 @@ from minipd.kv.paged_cache import PagedAttentionMetadata, PagedKVCache
 from minipd.kv.paged_pool import PagedKVPool
 from minipd.layers.sampler import sample_next_tokens
 from minipd.models.decoder import DecoderModel
+from minipd.models.forward_context import ForwardContext
 
 
-def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
-    # Padding points at block 0: a valid index, never read because it lies past the context length.
-    rows = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+class InputBuffers:
+    """Host buffers for one step's inputs, sized for the largest step the scheduler can make."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+
+        def host(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self.device = device
+        self.input_ids = host(max_tokens)
+        self.positions = host(max_tokens)
+        self.slot_mapping = host(max_tokens)
+        self.block_tables = host(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        self.context_lens = host(max_seqs, dtype=torch.int32)
+        self.query_start = host(max_seqs + 1, dtype=torch.int32)
+        # numpy views of the same memory: filling them from Python lists is much cheaper than torch indexing.
+        self.np = {name: getattr(self, name).numpy() for name in
+                   ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A slice of a host buffer on the model's device (the slice itself on CPU: no copy)."""
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
 
 class ModelRunner:
     """Runs one step of the model over the paged pool for a :class:`ScheduledBatch`."""
 
-    def __init__(self, model: DecoderModel, pool: PagedKVPool, kernels: KernelBackend) -> None:
+    def __init__(self, model: DecoderModel, pool: PagedKVPool, kernels: KernelBackend, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.pool = pool
         self.kernels = kernels
         self.device = model.embed_tokens.weight.device
-        model.set_kernels(kernels)
+        max_blocks = -(-max_model_len // pool.block_size)
+        self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
                                                       list[Request], list[int]]:
         """Flat token ids, positions and attention metadata; the requests to sample and their rows."""
         bs = self.pool.block_size
+        buf = self.buffers.np
+        ids, pos, slots = buf["input_ids"], buf["positions"], buf["slot_mapping"]
+        tables, lens, starts = buf["block_tables"], buf["context_lens"], buf["query_start"]
         decodes = [(r, n) for r, n in batch.entries if n == 1]
         prefills = [(r, n) for r, n in batch.entries if n > 1]
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
         to_sample: list[Request] = []
         rows: list[int] = []
-        decode_positions: list[int] = []
-        decode_slots: list[int] = []
+        decode_lens: list[int] = []
+        decode_width = 0
         for i, (r, _) in enumerate(decodes):
-            pos = r.num_computed_tokens
-            ids.append(r.all_token_ids[pos])
-            decode_positions.append(pos)
-            decode_slots.append(r.blocks.block_table[pos // bs] * bs + pos % bs)
-            if pos + 1 == r.num_tokens:
+            p = r.num_computed_tokens
+            # A token's cache index is its position less the tokens evicted before it.
+            c = p - r.blocks.num_dropped_tokens
+            table = r.blocks.block_table
+            ids[i] = r.all_token_ids[p]
+            pos[i] = p
+            slots[i] = table[c // bs] * bs + c % bs
+            tables[i, :len(table)] = table
+            decode_width = max(decode_width, len(table))
+            decode_lens.append(c + 1)
+            if p + 1 == r.num_tokens:
                 to_sample.append(r)
                 rows.append(i)
-        positions.append(torch.tensor(decode_positions, dtype=torch.long))
-        slots.append(torch.tensor(decode_slots, dtype=torch.long))
+        num_decode = len(decodes)
+        lens[:num_decode] = decode_lens
+        offset = num_decode
         query_start = [0]
-        for r, n in prefills:
-            start = r.num_computed_tokens
-            ids.extend(r.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(r.blocks.block_table, dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+        prefill_lens: list[int] = []
+        prefill_width = 0
+        for j, (r, n) in enumerate(prefills):
+            p = r.num_computed_tokens
+            c = p - r.blocks.num_dropped_tokens
+            table = r.blocks.block_table
+            ids[offset:offset + n] = r.all_token_ids[p:p + n]
+            pos[offset:offset + n] = np.arange(p, p + n)
+            cache_index = np.arange(c, c + n)
+            slots[offset:offset + n] = np.asarray(table)[cache_index // bs] * bs + cache_index % bs
+            tables[num_decode + j, :len(table)] = table
+            prefill_width = max(prefill_width, len(table))
+            offset += n
             query_start.append(query_start[-1] + n)
-            if start + n == r.num_tokens:
+            prefill_lens.append(c + n)
+            if p + n == r.num_tokens:
                 to_sample.append(r)
-                rows.append(len(decodes) + query_start[-1] - 1)
-        dev = self.device
+                rows.append(offset - 1)
+        num_prefill = len(prefills)
+        lens[num_decode:num_decode + num_prefill] = prefill_lens
+        starts[:num_prefill + 1] = query_start
+        b = self.buffers
+        dev = b.to_device
         metadata = PagedAttentionMetadata(
-            num_decode_tokens=len(decodes),
-            slot_mapping=torch.cat(slots).to(dev),
-            decode_block_tables=_padded([r.blocks.block_table for r, _ in decodes], dev),
-            decode_context_lens=torch.tensor([p + 1 for p in decode_positions], dtype=torch.int32, device=dev),
-            prefill_block_tables=_padded([r.blocks.block_table for r, _ in prefills], dev),
-            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor([r.num_computed_tokens + n for r, n in prefills], dtype=torch.int32,
-                                              device=dev),
+            num_decode_tokens=num_decode,
+            slot_mapping=dev(b.slot_mapping[:offset]),
+            decode_block_tables=dev(b.block_tables[:num_decode, :decode_width]),
+            decode_context_lens=dev(b.context_lens[:num_decode]),
+            prefill_block_tables=dev(b.block_tables[num_decode:num_decode + num_prefill, :prefill_width]),
+            prefill_query_start_loc=dev(b.query_start[:num_prefill + 1]),
+            prefill_context_lens=dev(b.context_lens[num_decode:num_decode + num_prefill]),
+            decode_context_lens_host=decode_lens,
+            prefill_query_start_host=query_start,
+            prefill_context_lens_host=prefill_lens,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions).to(dev), metadata, to_sample, rows
+        return dev(b.input_ids[:offset]), dev(b.positions[:offset]), metadata, to_sample, rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
         """Compute the batch's tokens into the cache; return the requests that got a new token, and the tokens."""
         input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, PagedKVCache(self.pool, metadata, self.kernels))
+        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels), self.kernels)
+        hidden = self.model(input_ids, positions, context)
         if not to_sample:
             return [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = sample_next_tokens(logits, [r.params for r in to_sample], [r.generator for r in to_sample])
+        last = hidden[rows[0]:rows[0] + 1] if len(rows) == 1 else hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(last)
+        tokens = sample_next_tokens(logits, [r.params for r in to_sample], [r.seed for r in to_sample],
+                                    [r.sampling_offset for r in to_sample])
         return to_sample, tokens.tolist()

@@ -1,121 +1,156 @@
-"""A request inside the engine: its prompt, parameters, generated tokens, text and finish state."""
+"""A request as the engine core sees it: plain, picklable state, and what each step reports about it.
+
+Everything here can cross a process boundary: token ids as one growing list, the block table, how
+many tokens have K/V computed, the sampling parameters, and the seed from which the RNG of every
+sampled token is derived (so sampling resumes anywhere — in another process, after a preemption,
+on another worker). Text, detokenisation and stop strings are the front end's business
+(:mod:`minipd.engine.output_processor`).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from minipd.kv.block_manager import BlockAllocation
-from minipd.outputs import RequestMetrics, RequestOutput
 from minipd.sampling_params import SamplingParams
-from minipd.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"  # not scheduled yet, or preempted and waiting to be recomputed
+    #: Blocks allocated; the K/V of its first ``num_external_tokens`` tokens are arriving from elsewhere.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"  # holds KV blocks and is scheduled every step
+    #: Finished, but its blocks are kept (e.g. until a decode worker has read them) until released.
+    FINISHED_HOLDING_KV = "finished_holding_kv"
     FINISHED = "finished"
 
 
-@dataclass
+class FinishReason(str, enum.Enum):
+    """Why a request ended; compares equal to the plain strings of :class:`~minipd.outputs.RequestOutput`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)  # a request is itself, not its contents: two identical prompts are two requests
 class Request:
-    """Everything the engine tracks for one request from arrival to finish."""
+    """Everything the engine core tracks for one request, from arrival to finish."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    #: Prompt tokens, then every output token, in one list that grows by one per step.
+    all_token_ids: list[int]
+    num_prompt_tokens: int
     params: SamplingParams
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
+    #: Seeds the RNG of each sampled token together with its index (see ``sampling_offset``).
+    seed: int
     eos_token_ids: frozenset[int]
     max_model_len: int
-    metrics: RequestMetrics
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    arrival_time: float
     status: RequestStatus = RequestStatus.WAITING
     #: Tokens (prompt, then output) whose K/V are in the cache.
     num_computed_tokens: int = 0
     blocks: BlockAllocation = field(default_factory=BlockAllocation)
+    #: Chained hashes of the request's full blocks, computed once and extended as it grows.
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: Leading tokens whose K/V come from elsewhere (another worker) instead of being computed.
+    num_external_tokens: int = 0
+    #: Keep the blocks after finishing (status FINISHED_HOLDING_KV) until the core is told to release them.
+    hold_kv: bool = False
+    finish_reason: FinishReason | None = None
+    #: The stop token id that ended the request, if one did.
+    stop_reason: int | None = None
+    first_scheduled_time: float | None = None
+    #: Prompt tokens found in the prefix cache, summed over every (re)admission.
+    num_cached_tokens: int = 0
+    #: Times the request lost its KV blocks to a newer one and was recomputed.
+    num_preemptions: int = 0
+    #: Prompt tokens computed by prefill.
+    num_prefill_tokens: int = 0
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output tokens, in order."""
-        return self.prompt_token_ids + self.token_ids
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's tokens (a copy)."""
+        return self.all_token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far (a copy)."""
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def num_tokens(self) -> int:
         """Prompt and output tokens so far."""
-        return len(self.prompt_token_ids) + len(self.token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def sampling_offset(self) -> int:
+        """Index of the next token to sample: with ``seed``, all the RNG state that token needs."""
+        return self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has a finish reason (holding KV or not)."""
+        return self.finish_reason is not None
 
     def is_decode(self, num_new: int) -> bool:
         """Whether computing ``num_new`` tokens now is a decode step: the one token sampled last."""
-        return num_new == 1 and self.num_computed_tokens + 1 == self.num_tokens and bool(self.token_ids)
+        return num_new == 1 and self.num_computed_tokens + 1 == self.num_tokens and self.num_output_tokens > 0
 
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V still have to be computed before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_token(self, token_id: int, now: float) -> str:
-        """Record a new token; return its text delta and set ``finish_reason`` when the request ends."""
-        self.token_ids.append(token_id)
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
-        self.metrics.token_times.append(now)
+    def append_token(self, token_id: int) -> None:
+        """Record a new token and set ``finish_reason`` when it ends the request (stop token or length)."""
+        self.all_token_ids.append(token_id)
         params = self.params
         if not params.ignore_eos and token_id in self.eos_token_ids:
-            self._finish("stop", token_id, now)
+            self.finish(FinishReason.STOP, token_id)
         elif params.stop_token_ids and token_id in params.stop_token_ids:
-            self._finish("stop", token_id, now)
-        elif len(self.token_ids) >= params.max_tokens or self.num_tokens >= self.max_model_len:
-            self._finish("length", None, now)
-        delta = self.detokenizer.add(token_id, last=self.finish_reason is not None)
-        if delta and params.stop_strings:
-            return self._cut_at_stop_string(delta, now)
-        self.text += delta
-        return delta
+            self.finish(FinishReason.STOP, token_id)
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish(FinishReason.LENGTH)
 
-    def _cut_at_stop_string(self, delta: str, now: float) -> str:
-        # A stop string may straddle the old text and the delta, so search a window that covers both.
-        longest = max(len(s) for s in self.params.stop_strings)
-        start = max(0, len(self.text) - longest + 1)
-        window = self.text[start:] + delta
-        hits = [(window.find(s), s) for s in self.params.stop_strings if s in window]
-        if not hits:
-            self.text += delta
-            return delta
-        offset, stop = min(hits)
-        cut = start + offset
-        emitted = max(0, cut - len(self.text))
-        self.text = (self.text + delta)[:cut]
-        self._finish("stop", stop, now)
-        return delta[:emitted]
-
-    def abort(self, now: float) -> None:
-        """End the request where it is, with finish reason ``"abort"``."""
-        self._finish("abort", None, now)
-
-    def _finish(self, reason: str, stop_reason: str | int | None, now: float) -> None:
-        self.status = RequestStatus.FINISHED
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        """End the request; the scheduler decides what happens to its blocks."""
         self.finish_reason = reason
         self.stop_reason = stop_reason
-        self.metrics.finish_time = now
 
-    def to_output(self) -> RequestOutput:
-        """A snapshot of the request as the public :class:`RequestOutput`."""
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            token_ids=list(self.token_ids),
-            text=self.text,
-            finish_reason=self.finish_reason,
-            metrics=self.metrics,
-            stop_reason=self.stop_reason,
-        )
+
+@dataclass
+class EngineCoreOutput:
+    """What one step (or an abort) reports about one request; plain data, cheap to send between processes."""
+
+    request_id: str
+    #: Tokens produced for the request since the last report (one per step; none for an abort).
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    #: Counters the front end keeps in the request's metrics.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True for the request's last report."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one step of the core produced, stamped with when it produced it."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    timestamp: float = 0.0

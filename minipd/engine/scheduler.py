@@ -5,6 +5,15 @@ chunks of prefill, so a long prompt is split over several steps instead of stall
 (chunked prefill). When the KV pool runs out, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
 Nothing is lost; nothing deadlocks, because the oldest request can always make progress alone.
+
+A step is a transaction: :meth:`Scheduler.schedule` picks the work, and only :meth:`Scheduler.commit`
+(after the model ran) advances the requests and registers their finished blocks for prefix reuse;
+:meth:`Scheduler.rollback` undoes a step that raised, so no request ever reads K/V never written.
+
+Requests whose first tokens' K/V come from elsewhere (a prefill worker) get their blocks allocated,
+wait in ``waiting_for_kv`` without using the token budget, and resume computing after
+:meth:`Scheduler.kv_arrived`. A finished request created with ``hold_kv`` keeps its blocks until
+:meth:`Scheduler.release_kv`, so a receiver can read them.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minipd.engine.request import Request, RequestStatus
-from minipd.kv.block_manager import BlockManager
+from minipd.kv.block_manager import BlockManager, block_hashes
 
 
 @dataclass
@@ -22,6 +31,8 @@ class ScheduledBatch:
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: Requests whose blocks were allocated this step for K/V that will arrive from elsewhere.
+    kv_loads: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -70,19 +81,33 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Requests holding blocks while their external K/V arrive, by id.
+        self.waiting_for_kv: dict[str, Request] = {}
+        #: Finished requests whose blocks are kept until released, by id.
+        self.holding_kv: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Hashes of blocks that this step's work completes: a newcomer whose prefix continues into
+        # one of them waits a step and then reuses it, instead of computing the same tokens twice.
+        self._completing: set[bytes] = set()
 
     def add(self, request: Request) -> None:
         """Queue a new request behind those already waiting."""
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+        """True while any request is waiting, waiting for K/V, or running."""
+        return bool(self.waiting or self.running or self.waiting_for_kv)
 
+    @property
+    def num_active(self) -> int:
+        """Requests that hold blocks and count against ``max_num_seqs``."""
+        return len(self.running) + len(self.waiting_for_kv)
+
+    # --------------------------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch:
         """Pick this step's requests and token counts, allocating the KV blocks they need."""
         batch = ScheduledBatch()
+        self._completing.clear()
         budget = self.max_num_batched_tokens
         if self.policy.running_first:
             budget = self._schedule_running(batch, budget)
@@ -109,42 +134,72 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._register(request, num_new)
-                batch.entries.append((request, num_new))
+                self._schedule(batch, request, num_new)
                 budget -= num_new
         return budget
 
-    def _register(self, request: Request, num_new: int) -> None:
-        self.block_manager.register_full_blocks(request.blocks, request.all_token_ids,
-                                                request.num_computed_tokens + num_new)
+    def _schedule(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        batch.entries.append((request, num_new))
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            bs = bm.block_size
+            first, end = request.num_computed_tokens // bs, (request.num_computed_tokens + num_new) // bs
+            if end > first:
+                hashes = block_hashes(request.all_token_ids, bs, request.block_hashes)
+                self._completing.update(hashes[first:end])
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and self.num_active < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request.all_token_ids)
-            num_cached = len(cached) * self.block_manager.block_size
+            cached: list[int] | None
+            if request.blocks.block_table:  # its external K/V arrived: it resumes with the blocks it holds
+                num_cached, cached = request.num_computed_tokens, None
+            else:
+                cached = self._cached_prefix(request)
+                if cached is None:
+                    break  # its prefix is being computed this step: reuse it next step
+                num_cached = len(cached) * bm.block_size
+            if request.num_external_tokens > num_cached:
+                # Blocks for K/V that another worker sends: allocated now, filled outside any step.
+                if not bm.allocate(request.blocks, request.num_external_tokens):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.waiting_for_kv[request.request_id] = request
+                batch.kv_loads.append(request)
+                continue
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request.blocks, num_cached + num_new, cached):
+            if not bm.allocate(request.blocks, num_cached + num_new, cached or ()):
                 break  # no room: wait for running requests to finish rather than preempt for a newcomer
-            self.block_manager.record_lookup(request.num_tokens, num_cached)
+            if cached is not None:
+                bm.record_lookup(request.num_tokens, num_cached)
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
-            request.metrics.cached_tokens += num_cached
+            request.num_cached_tokens += len(cached or ()) * bm.block_size
             request.status = RequestStatus.RUNNING
-            self._register(request, num_new)
             self.running.append(request)
-            batch.entries.append((request, num_new))
+            self._schedule(batch, request, num_new)
             budget -= num_new
         return budget
+
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """Blocks of the request's committed cached prefix; None when the next block is being computed now."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return []
+        usable = (request.num_tokens - 1) // bm.block_size
+        hashes = block_hashes(request.all_token_ids[:usable * bm.block_size], bm.block_size, request.block_hashes)
+        cached = bm.find_cached_prefix(request.all_token_ids, hashes)
+        if len(cached) < usable and hashes[len(cached)] in self._completing:
+            return None
+        return cached
 
     def _preempt_newest(self, batch: ScheduledBatch) -> tuple[Request, int]:
         """Preempt the most recently admitted running request; return it and the budget it had this step."""
         victim = self.running.pop()
-        # Its tokens scheduled this step will not run: only what was computed before is valid.
-        self.block_manager.free_blocks(victim.blocks, victim.num_computed_tokens)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
-        victim.metrics.preemptions += 1
+        self._reset(victim)
+        victim.num_preemptions += 1
         self.num_preemptions += 1
         returned = sum(n for r, n in batch.entries if r is victim)
         batch.entries = [(r, n) for r, n in batch.entries if r is not victim]
@@ -152,10 +207,68 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim, returned
 
+    def _reset(self, request: Request) -> None:
+        """Free everything the request holds; it will be recomputed from its (cached) prefix."""
+        self.block_manager.free_blocks(request.blocks)
+        request.num_computed_tokens = 0
+        # K/V that came from elsewhere are gone with the blocks; the tokens are known, so recompute them.
+        request.num_external_tokens = 0
+        request.status = RequestStatus.WAITING
+
+    # ------------------------------------------------------------------------- after the step
+    def commit(self, batch: ScheduledBatch) -> None:
+        """The model ran: advance each request and register its newly full blocks for reuse."""
+        bm = self.block_manager
+        for request, n in batch.entries:
+            request.num_computed_tokens += n
+            if bm.enable_prefix_caching:
+                bm.register_full_blocks(request.blocks, request.all_token_ids, request.num_computed_tokens,
+                                        request.block_hashes)
+        self._completing.clear()
+
+    def rollback(self, batch: ScheduledBatch) -> None:
+        """The step raised: put its requests back to waiting, in order, holding nothing written this step.
+
+        Their committed blocks stay registered, so readmission recomputes only what the step lost.
+        """
+        self._completing.clear()
+        for request, _ in reversed(batch.entries):
+            if request in self.running:
+                self.running.remove(request)
+            self._reset(request)
+            self.waiting.appendleft(request)
+
+    def kv_arrived(self, request_id: str) -> Request:
+        """The external K/V of a request in ``waiting_for_kv`` are in its blocks: it may compute the rest."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not waiting for KV")
+        request.num_computed_tokens = request.num_external_tokens
+        self.block_manager.register_full_blocks(request.blocks, request.all_token_ids,
+                                                request.num_computed_tokens, request.block_hashes)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        return request
+
     def finish(self, request: Request) -> None:
-        """Take a finished (or aborted) request out of the queues and free its blocks."""
+        """Take a finished (or aborted) request out of the queues; free its blocks unless it holds them."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.waiting_for_kv.pop(request.request_id, None)
+        if request.hold_kv and request.blocks.block_table and request.finish_reason != "abort":
+            request.status = RequestStatus.FINISHED_HOLDING_KV
+            self.holding_kv[request.request_id] = request
+            return
+        request.status = RequestStatus.FINISHED
         self.block_manager.free_blocks(request.blocks)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished request was holding; False if it holds none."""
+        request = self.holding_kv.pop(request_id, None)
+        if request is None:
+            return False
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free_blocks(request.blocks)
+        return True

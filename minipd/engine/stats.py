@@ -20,6 +20,10 @@ class StepStats:
     #: Fraction of prompt tokens looked up so far that the prefix cache served.
     prefix_hit_rate: float
     num_preemptions: int
+    #: The step's number since the engine started (0, 1, ...): older records may have been dropped.
+    step: int = 0
+    #: Requests holding blocks while their K/V arrive from elsewhere.
+    num_waiting_for_kv: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,8 @@
-"""One switch for the engine's kernels: ``"torch"`` (references, fast on CPU) or ``"triton"``."""
+"""One switch for the engine's kernels: ``"torch"`` (references, fast on CPU) or ``"triton"``.
+
+A backend also says which KV formats it can read (:meth:`KernelBackend.check`), so an engine
+refuses a ``block_size`` or cache dtype its kernels cannot take when it is built, not at the first step.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 from minipd.kernels.kv_store import store_kv_torch
 from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from minipd.kernels.rms_norm import add_rms_norm_torch
+from minipd.kv.spec import KVSpec
 
 BACKENDS = ("torch", "triton")
 
@@ -24,10 +29,40 @@ class KernelBackend:
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    #: Returns why ``(spec, model_dtype)`` cannot run on this backend, or None when it can.
+    limits: Callable[[KVSpec, torch.dtype], str | None] = lambda spec, dtype: None
+
+    def check(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` naming the setting when this backend cannot run ``spec``."""
+        problem = self.limits(spec, model_dtype)
+        if problem is not None:
+            raise ValueError(f"kernel_backend={self.name!r} {problem}")
+
+
+def _torch_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
+    if spec.is_quantized:
+        return "has no kernels for quantized KV caches yet"
+    return None
+
+
+def _triton_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
+    def pow2(n: int) -> bool:
+        return n > 0 and n & (n - 1) == 0
+
+    if not pow2(spec.block_size):
+        return f"needs a power-of-two block_size (8, 16, 32, ...), got {spec.block_size}"
+    if not pow2(spec.head_dim):
+        return f"needs a power-of-two head_dim, and this model's is {spec.head_dim}; use kernel_backend='torch'"
+    if spec.is_quantized:
+        return "has no kernels for quantized KV caches yet"
+    if spec.dtype != model_dtype:
+        return (f"reads the cache in the model's dtype ({model_dtype}); kv_cache_dtype gives {spec.dtype}: "
+                "use kv_cache_dtype='auto' or kernel_backend='torch'")
+    return None
 
 
 TORCH_BACKEND = KernelBackend("torch", store_kv_torch, paged_decode_attention_torch,
-                              paged_prefill_attention_torch, add_rms_norm_torch)
+                              paged_prefill_attention_torch, add_rms_norm_torch, _torch_limits)
 
 
 def default_backend_name(device: torch.device) -> str:
@@ -61,4 +96,4 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
     except ImportError as err:
         raise ValueError(f"kernel_backend='triton' is not available here: {err}") from err
     return KernelBackend("triton", store_kv_triton, paged_decode_attention_triton,
-                         paged_prefill_attention_triton, add_rms_norm_triton)
+                         paged_prefill_attention_triton, add_rms_norm_triton, _triton_limits)

@@ -4,9 +4,16 @@ The pool for one layer is (num_blocks, block_size, kv_heads, head_dim). Sequence
 blocks listed in ``block_tables[i]`` (padded with any valid id past its end) and has
 ``context_lens[i]`` tokens in them, counting the new tokens of this step, whose K/V are already
 stored. Queries are always the last tokens of their sequence's context.
+
+The lengths also come as Python lists (``context_lens_host``, ``query_start_host``), which the
+model runner builds once per step: with them a kernel needs no device-to-host copy in every layer.
+The cache may be stored in another dtype than the queries (``kv_cache_dtype``); it is read in the
+queries' dtype.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +28,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:blocks]].flatten(0, 1)[:length]
 
 
+def _as_queries(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return kv if kv.dtype == q.dtype else kv.to(q.dtype)
+
+
 def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                 sliding_window: int | None = None) -> torch.Tensor:
+                                 sliding_window: int | None = None, *,
+                                 context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
     """One query per sequence: ``q`` (B, q_heads, D) against each sequence's paged K/V; returns (B, q_heads, D).
 
     Sequences are gathered into padded (B, S, kv_heads, D) tensors and masked past their length,
@@ -31,15 +43,15 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     sequences are first sorted by length and split into a few groups, each padded to its own longest.
     """
     batch = q.shape[0]
+    lengths = list(context_lens_host) if context_lens_host is not None else context_lens.tolist()
     if batch == 1:
         # A lone sequence needs no padding and so no mask: gather exactly its (windowed) context.
-        length = int(context_lens[0])
+        length = lengths[0]
         first = max(0, length - sliding_window) if sliding_window is not None else 0
-        k = gather_kv(k_cache, block_tables[0], length)[first:].transpose(0, 1).unsqueeze(0)
-        v = gather_kv(v_cache, block_tables[0], length)[first:].transpose(0, 1).unsqueeze(0)
+        k = _as_queries(gather_kv(k_cache, block_tables[0], length)[first:], q).transpose(0, 1).unsqueeze(0)
+        v = _as_queries(gather_kv(v_cache, block_tables[0], length)[first:], q).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
         return out.squeeze(2)
-    lengths = context_lens.tolist()
     order = sorted(range(batch), key=lengths.__getitem__)
     groups = [order[i * batch // DECODE_GROUPS:(i + 1) * batch // DECODE_GROUPS] for i in range(DECODE_GROUPS)]
     groups = [g for g in groups if g]
@@ -65,8 +77,8 @@ def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     blocks = -(-longest // block_size)
     span = blocks * block_size
     tables = block_tables[:, :blocks]
-    k = k_cache[tables].view(batch, span, kv_heads, dim).transpose(1, 2)
-    v = v_cache[tables].view(batch, span, kv_heads, dim).transpose(1, 2)
+    k = _as_queries(k_cache[tables].view(batch, span, kv_heads, dim), q).transpose(1, 2)
+    v = _as_queries(v_cache[tables].view(batch, span, kv_heads, dim), q).transpose(1, 2)
     pos = torch.arange(span, device=q.device)[None, :]
     lens = context_lens.to(q.device)[:, None]
     mask = pos < lens
@@ -80,7 +92,9 @@ def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                   context_lens: torch.Tensor, scale: float,
-                                  sliding_window: int | None = None) -> torch.Tensor:
+                                  sliding_window: int | None = None, *,
+                                  query_start_host: Sequence[int] | None = None,
+                                  context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
     """Chunks of queries, causal, variable lengths, in one call.
 
     ``q`` (N, q_heads, D) holds sequence ``i``'s queries in rows ``query_start_loc[i]`` to
@@ -88,10 +102,11 @@ def paged_prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     tokens. Returns (N, q_heads, D).
     """
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()  # one host sync per call, not one per sequence
-    for i, context in enumerate(context_lens.tolist()):
+    starts = list(query_start_host) if query_start_host is not None else query_start_loc.tolist()
+    contexts = list(context_lens_host) if context_lens_host is not None else context_lens.tolist()
+    for i, context in enumerate(contexts):
         start, end = starts[i], starts[i + 1]
-        k = gather_kv(k_cache, block_tables[i], context)
-        v = gather_kv(v_cache, block_tables[i], context)
+        k = _as_queries(gather_kv(k_cache, block_tables[i], context), q)
+        v = _as_queries(gather_kv(v_cache, block_tables[i], context), q)
         out[start:end] = attention(q[start:end], k, v, scale, sliding_window)
     return out

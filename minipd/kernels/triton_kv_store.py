@@ -46,13 +46,15 @@ def _store_kv_kernel(
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, *, has_padding: bool = True) -> None:
     """Copy ``k``, ``v`` (N, kv_heads, head_dim) into the caches at ``slot_mapping`` (N,), in place.
 
     The caches are (num_blocks, block_size, kv_heads, head_dim) with a contiguous last dimension;
     ``k`` and ``v`` may be strided views (e.g. slices of a fused qkv projection) as long as their
-    last dimension is contiguous. Negative slots are skipped.
+    last dimension is contiguous. Negative slots are skipped (masked in the kernel, so
+    ``has_padding`` changes nothing here).
     """
+    del has_padding
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -60,7 +62,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         raise ValueError(f"caches {tuple(k_cache.shape)} do not hold rows of shape {(num_heads, head_dim)}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must share one layout with a contiguous last dimension")
     _store_kv_kernel[(num_tokens,)](
@@ -72,6 +74,6 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     )
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension has stride 1, else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()

@@ -20,10 +20,14 @@ kernels run, slowly, in the Triton interpreter on CPU tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import triton
 import triton.language as tl
+
+from minipd.kernels.triton_kv_store import last_dim_contiguous
 
 __all__ = ["paged_decode_attention_triton", "paged_prefill_attention_triton"]
 
@@ -169,20 +173,22 @@ def _paged_prefill_kernel(
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  sliding_window: int | None = None) -> torch.Tensor:
+                                  sliding_window: int | None = None, *,
+                                  context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
     """One query per sequence: ``q`` (B, q_heads, D) against each sequence's paged K/V; returns (B, q_heads, D).
 
     Same contract as :func:`minipd.kernels.paged_attention.paged_decode_attention_torch`: the pool is
     (num_blocks, block_size, kv_heads, D), ``block_tables`` (B, max_blocks) int32, ``context_lens``
     (B,) int32 counting this step's token, whose K/V are already stored.
     """
+    del context_lens_host  # the kernel reads lengths on the device
     batch, q_heads, head_dim = q.shape
     kv_heads = _check_pool(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = q_heads // kv_heads
-    q, block_tables = _last_dim_contiguous(q), _last_dim_contiguous(block_tables)
+    q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
     fp32 = k_cache.dtype == torch.float32
     _paged_decode_kernel[(batch, kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens,
@@ -200,7 +206,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                    context_lens: torch.Tensor, scale: float,
-                                   sliding_window: int | None = None) -> torch.Tensor:
+                                   sliding_window: int | None = None, *,
+                                   query_start_host: Sequence[int] | None = None,
+                                   context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
     """Chunks of queries, causal, variable lengths, in one launch; returns (N, q_heads, D).
 
     Same contract as :func:`minipd.kernels.paged_attention.paged_prefill_attention_torch`: sequence
@@ -213,13 +221,18 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     batch = context_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    # One host sync to size the grid (the torch reference syncs too); shorter chunks' extra tiles exit at once.
-    longest = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    del context_lens_host
+    # The grid is sized by the longest chunk: from the host copy when given, else one device sync.
+    # Shorter chunks' extra tiles exit at once.
+    if query_start_host is not None:
+        longest = max(b - a for a, b in pairwise(query_start_host))
+    else:
+        longest = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if longest <= 0:
         return out
     fp32 = k_cache.dtype == torch.float32
     block_m = 32 if fp32 else 64
-    q, block_tables = _last_dim_contiguous(q), _last_dim_contiguous(block_tables)
+    q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
     _paged_prefill_kernel[(batch, triton.cdiv(longest, block_m), q_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
         scale * _LOG2E, sliding_window or 0,
@@ -252,8 +265,4 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 

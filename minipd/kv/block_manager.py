@@ -6,35 +6,66 @@ and of the block before it, so two sequences that start with the same tokens fin
 When a block's last user lets go it goes back to the free list but keeps its contents and hash, so
 a later request can still hit it; it is really reused (evicted) only when a fresh block is needed,
 least recently freed first.
+
+A block is registered for reuse only once its K/V are *committed* — computed by a step that
+finished, or imported from another worker — never when it is merely scheduled: a step that fails,
+or KV that has not arrived yet, must never be read by another request. The hash is SHA-256 (as
+vLLM uses since CVE-2025-25183), and on top of it a hit must match the block's tokens and the
+identity of its parent block, so even a forced hash collision cannot hand one request another's KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+#: A block's identity while it holds given contents: (block id, how many times it was filled).
+BlockIdentity = tuple[int, int]
 
-@dataclass
+
+@dataclass(eq=False)
 class Block:
-    """One block of the pool: who uses it and, once full and cached, what it holds."""
+    """One block of the pool: who uses it and, once full and committed, what it holds."""
 
     block_id: int
     ref_count: int = 0
-    #: Chained hash of the tokens it holds, set once it is full and registered for reuse.
-    block_hash: int | None = None
-    #: The tokens it holds, kept to rule out hash collisions.
+    #: Chained hash of the tokens it holds, set once it is full, committed and registered for reuse.
+    block_hash: bytes | None = None
+    #: The tokens it holds, compared on every hit to rule out hash collisions.
     token_ids: tuple[int, ...] = ()
+    #: Identity of the block before it in its sequence (None for a first block), checked on every hit.
+    parent: BlockIdentity | None = None
+    #: Bumped each time the block is handed out afresh, so an old identity never matches new contents.
+    generation: int = 0
+
+    @property
+    def identity(self) -> BlockIdentity:
+        """``(block_id, generation)``: names these contents, not just this slot of memory."""
+        return self.block_id, self.generation
 
 
-#: Parent hash of a sequence's first block. A fixed integer, not None: hashes of ints and tuples of
-#: ints are the same in every process, which moving blocks between workers relies on.
-ROOT_HASH = 0
+#: Parent of a sequence's first block: a fixed value, so hashes are equal in every process, which
+#: moving blocks between workers relies on.
+ROOT_HASH = b"minipd-root"
 
 
-def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Identity of a full block: its tokens and everything before it (through the parent's hash)."""
-    return hash((ROOT_HASH if parent is None else parent, tuple(token_ids)))
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Identity of a full block: SHA-256 of its parent's hash and its tokens (as 64-bit integers)."""
+    digest = hashlib.sha256(ROOT_HASH if parent is None else parent)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes] | None = None) -> list[bytes]:
+    """Chained hashes of every full block of ``token_ids``; extends ``known`` (the leading ones) in place."""
+    hashes = [] if known is None else known
+    for index in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(chain_hash(parent, token_ids[index * block_size:(index + 1) * block_size]))
+    return hashes
 
 
 @dataclass
@@ -55,8 +86,11 @@ class BlockAllocation:
     """What the block manager holds for one sequence."""
 
     block_table: list[int] = field(default_factory=list)
-    #: Hashes of the sequence's leading full blocks that are computed and registered.
-    block_hashes: list[int] = field(default_factory=list)
+    #: Hashes of the sequence's leading full blocks that are committed and registered.
+    block_hashes: list[bytes] = field(default_factory=list)
+    #: Tokens whose blocks were dropped from the middle of the table (token eviction). Token
+    #: ``i``'s K/V then sit at cache index ``i - num_dropped_tokens`` rather than at its position.
+    num_dropped_tokens: int = 0
 
 
 class BlockManager:
@@ -72,7 +106,7 @@ class BlockManager:
         # Free blocks in eviction order: the first is taken first. Hashed blocks go to the back
         # (worth keeping), blocks with nothing reusable go to the front.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.stats = PrefixCacheStats()
         self.evictions = 0
 
@@ -86,24 +120,31 @@ class BlockManager:
         """Blocks held by at least one sequence."""
         return self.num_blocks - len(self.free)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids holding the longest cached prefix of ``token_ids`` (whole blocks only).
+    # ------------------------------------------------------------------------------- lookup
+    def find_cached_prefix(self, token_ids: Sequence[int], hashes: Sequence[bytes] | None = None) -> list[int]:
+        """Block ids holding the longest committed prefix of ``token_ids`` (whole blocks only).
 
         At least one token is always left to compute, since the last position's logits are needed
-        to sample the next token.
+        to sample the next token. ``hashes`` may pass the sequence's block hashes already computed.
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
+        usable = (len(token_ids) - 1) // bs
+        if hashes is None or len(hashes) < usable:
+            hashes = block_hashes(token_ids[:usable * bs], bs)
         found: list[int] = []
-        parent = None
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
-            tokens = tuple(token_ids[start:start + bs])
-            parent = chain_hash(parent, tokens)
-            block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+        parent: BlockIdentity | None = None
+        for index in range(usable):
+            block_id = self.cached.get(hashes[index])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # The whole chain must match, not just the hash: this block's tokens and its parent.
+            if block.parent != parent or block.token_ids != tuple(token_ids[index * bs:(index + 1) * bs]):
                 break
             found.append(block_id)
+            parent = block.identity
         return found
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
@@ -111,10 +152,11 @@ class BlockManager:
         self.stats.queried_tokens += queried_tokens
         self.stats.hit_tokens += hit_tokens
 
+    # --------------------------------------------------------------------------- allocation
     def blocks_needed(self, alloc: BlockAllocation, num_tokens: int, cached_prefix: Sequence[int] = ()) -> int:
         """Fresh blocks required so that ``alloc`` (plus ``cached_prefix``) covers ``num_tokens`` tokens."""
         have = len(alloc.block_table) + len(cached_prefix)
-        return max(0, -(-num_tokens // self.block_size) - have)
+        return max(0, -(-(num_tokens - alloc.num_dropped_tokens) // self.block_size) - have)
 
     def can_allocate(self, alloc: BlockAllocation, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
         """Whether :meth:`allocate` would succeed."""
@@ -149,51 +191,86 @@ class BlockManager:
             self._forget(block)
             self.evictions += 1
         block.ref_count = 1
+        block.generation += 1
         return block_id
 
     def _forget(self, block: Block) -> None:
         if self.cached.get(block.block_hash) == block.block_id:  # type: ignore[arg-type]
             del self.cached[block.block_hash]  # type: ignore[arg-type]
-        block.block_hash, block.token_ids = None, ()
+        block.block_hash, block.token_ids, block.parent = None, (), None
 
-    def register_full_blocks(self, alloc: BlockAllocation, token_ids: Sequence[int], num_computed: int) -> None:
-        """Make the sequence's full blocks among its first ``num_computed`` tokens reusable.
+    def pin(self, block_ids: Sequence[int]) -> BlockAllocation:
+        """Take one more reference on ``block_ids`` (e.g. while another worker reads them).
 
-        The scheduler calls this as soon as it schedules the tokens, before they are computed: a
-        request admitted later in the same step may then share the blocks, which is safe because
-        every layer stores the whole step's K/V before any attention reads them.
+        Returns an allocation over them; :meth:`free_blocks` on it lets go. Pinned blocks are never
+        evicted or handed out, whatever happens to the sequence that filled them.
         """
-        if not self.enable_prefix_caching:
-            return
+        pinned = BlockAllocation()
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                raise ValueError(f"block {block_id} is free: only blocks a sequence holds can be pinned")
+            block.ref_count += 1
+            pinned.block_table.append(block_id)
+        return pinned
+
+    # ------------------------------------------------------------------------------- commit
+    def register_full_blocks(self, alloc: BlockAllocation, token_ids: Sequence[int], num_computed: int,
+                             hashes: Sequence[bytes] | None = None) -> None:
+        """Commit the sequence's full blocks among its first ``num_computed`` tokens: make them reusable.
+
+        Call it only once their K/V are really in the pool (after the step that computed them
+        finished, or after an import). ``hashes`` may pass the sequence's block hashes already computed.
+        """
+        if not self.enable_prefix_caching or alloc.num_dropped_tokens:
+            return  # after token eviction, table indices no longer match token positions
         bs = self.block_size
-        for index in range(len(alloc.block_hashes), num_computed // bs):
-            tokens = tuple(token_ids[index * bs:(index + 1) * bs])
-            parent = alloc.block_hashes[-1] if alloc.block_hashes else None
-            block_hash = chain_hash(parent, tokens)
+        end = num_computed // bs
+        if hashes is None or len(hashes) < end:
+            hashes = block_hashes(token_ids[:end * bs], bs)
+        for index in range(len(alloc.block_hashes), end):
+            block_hash = hashes[index]
             alloc.block_hashes.append(block_hash)
             block = self.blocks[alloc.block_table[index]]
             if block_hash not in self.cached and block.block_hash is None:
+                parent = self.blocks[alloc.block_table[index - 1]].identity if index else None
                 self.cached[block_hash] = block.block_id
-                block.block_hash, block.token_ids = block_hash, tokens
+                block.block_hash, block.token_ids = block_hash, tuple(token_ids[index * bs:(index + 1) * bs])
+                block.parent = parent
 
+    # --------------------------------------------------------------------------------- free
     def free_blocks(self, alloc: BlockAllocation, num_computed: int | None = None) -> None:
         """Drop the sequence's hold on its blocks; unshared ones return to the free list.
 
-        ``num_computed``: tokens whose K/V really are in the blocks (all by default). A sequence
-        preempted before its scheduled tokens ran passes fewer, and full blocks past that point
-        lose their hash, so no one reuses contents that were never written.
+        ``num_computed`` is accepted for symmetry with older callers: blocks are registered only
+        once committed, so a block past what was computed holds no hash to forget.
         """
-        first_unwritten = len(alloc.block_table) if num_computed is None else num_computed // self.block_size
+        del num_computed
         # Last blocks first, so a sequence's tail is evicted before its (more shareable) head.
         for index in range(len(alloc.block_table) - 1, -1, -1):
-            block = self.blocks[alloc.block_table[index]]
-            block.ref_count -= 1
-            if index >= first_unwritten and block.block_hash is not None and block.ref_count == 0:
-                self._forget(block)
-            if block.ref_count == 0:
-                block_id = block.block_id
-                self.free[block_id] = None
-                if block.block_hash is None:
-                    self.free.move_to_end(block_id, last=False)
+            self._release(alloc.block_table[index])
         alloc.block_table.clear()
         alloc.block_hashes.clear()
+        alloc.num_dropped_tokens = 0
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.block_hash is None:
+                self.free.move_to_end(block_id, last=False)
+
+    def drop_blocks(self, alloc: BlockAllocation, indices: Sequence[int]) -> None:
+        """Remove the blocks at table ``indices`` from the middle of a sequence (token eviction).
+
+        The sequence keeps its positions (RoPE still sees the true ones) but its later tokens' K/V
+        move up in the cache; it stops registering blocks for prefix reuse from then on.
+        """
+        drop = sorted(set(indices))
+        if drop and (drop[0] < 0 or drop[-1] >= len(alloc.block_table)):
+            raise ValueError(f"block indices must be in [0, {len(alloc.block_table)}), got {list(indices)}")
+        for index in reversed(drop):
+            self._release(alloc.block_table.pop(index))
+        alloc.num_dropped_tokens += len(drop) * self.block_size
+        del alloc.block_hashes[min(drop, default=len(alloc.block_hashes)):]

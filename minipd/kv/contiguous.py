@@ -6,25 +6,12 @@ paged cache of chapter 03 removes; it is kept as the baseline to measure that ag
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from minipd.kv.base import KVCache
 from minipd.layers.attention import attention
 
-
-class KVCache(Protocol):
-    """What a layer needs from a cache: keep this step's K/V and attend over everything kept."""
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
-        """Store ``k``, ``v`` (T, kv_heads, head_dim) for layer ``layer_idx``, then attend ``q`` (T, q_heads,
-        head_dim) causally to all cached tokens; returns (T, q_heads, head_dim)."""
-        ...
-
-    def advance(self, num_tokens: int) -> None:
-        """Mark ``num_tokens`` more positions as cached, once every layer has appended them."""
-        ...
+__all__ = ["ContiguousKVCache", "KVCache"]
 
 
 class ContiguousKVCache:

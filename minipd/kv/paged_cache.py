@@ -12,9 +12,11 @@ from minipd.kv.paged_pool import PagedKVPool
 
 @dataclass
 class PagedAttentionMetadata:
-    """Flat per-step tensors built once by the model runner and shared by every layer.
+    """Per-step tensors built once by the model runner and shared by every layer.
 
-    The step's tokens are laid out decodes first (one token per sequence), then prefill chunks.
+    The step's tokens are laid out decodes first (one token per sequence), then prefill chunks. A
+    token's slot is given, not derived from its position: after token eviction the two differ.
+    The ``*_host`` lists repeat the lengths on the CPU, so no layer has to copy them back.
     """
 
     #: Decode tokens at the front of the batch (one per decoding sequence).
@@ -28,6 +30,9 @@ class PagedAttentionMetadata:
     prefill_block_tables: torch.Tensor
     prefill_query_start_loc: torch.Tensor
     prefill_context_lens: torch.Tensor
+    decode_context_lens_host: list[int]
+    prefill_query_start_host: list[int]
+    prefill_context_lens_host: list[int]
 
 
 class PagedKVCache:
@@ -42,22 +47,31 @@ class PagedKVCache:
                sliding_window: int | None) -> torch.Tensor:
         md, kernels = self.metadata, self.kernels
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping, has_padding=False)
         num_decode = md.num_decode_tokens
         if num_decode == q.shape[0]:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables,
-                                                  md.decode_context_lens, scale, sliding_window)
+            return self._decode(q, k_cache, v_cache, scale, sliding_window)
         if num_decode == 0:
-            return kernels.paged_prefill_attention(q, k_cache, v_cache, md.prefill_block_tables,
-                                                   md.prefill_query_start_loc, md.prefill_context_lens, scale,
-                                                   sliding_window)
+            return self._prefill(q, k_cache, v_cache, scale, sliding_window)
         out = torch.empty_like(q)
-        out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, md.decode_block_tables,
-                                                          md.decode_context_lens, scale, sliding_window)
-        out[num_decode:] = kernels.paged_prefill_attention(q[num_decode:], k_cache, v_cache,
-                                                           md.prefill_block_tables, md.prefill_query_start_loc,
-                                                           md.prefill_context_lens, scale, sliding_window)
+        out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, scale, sliding_window)
+        out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, scale, sliding_window)
         return out
 
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        md = self.metadata
+        return self.kernels.paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables,
+                                                   md.decode_context_lens, scale, sliding_window,
+                                                   context_lens_host=md.decode_context_lens_host)
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+        md = self.metadata
+        return self.kernels.paged_prefill_attention(q, k_cache, v_cache, md.prefill_block_tables,
+                                                    md.prefill_query_start_loc, md.prefill_context_lens, scale,
+                                                    sliding_window, query_start_host=md.prefill_query_start_host,
+                                                    context_lens_host=md.prefill_context_lens_host)
+
     def advance(self, num_tokens: int) -> None:
-        """Nothing to do: the block manager tracks what is computed."""
+        """Nothing to do: the scheduler tracks what is computed."""

@@ -1,22 +1,61 @@
-"""The paged KV pool: per layer, K and V stored in fixed-size blocks that any sequence can own."""
+"""The paged KV pool: per layer, K and V stored in fixed-size blocks that any sequence can own.
+
+Blocks can also leave and enter the pool whole: :meth:`PagedKVPool.export_blocks` packs a list of
+blocks into one contiguous tensor per layer (what a prefill worker sends), and
+:meth:`PagedKVPool.import_blocks` writes such tensors into other block ids (what a decode worker
+receives). The :class:`~minipd.kv.spec.KVSpec` travels with them, so both ends agree on the format.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from minipd.config import ModelConfig
+from minipd.kv.spec import KVSpec
+
+
+@dataclass
+class PackedKV:
+    """Blocks taken out of a pool: for each layer, K and V of the blocks as one tensor.
+
+    ``layers[i]`` is ``(2, num_blocks, block_size, kv_heads, head_dim)`` (K then V), and
+    ``scales[i]`` the matching ``(2, num_blocks, *scale_shape)`` for quantized specs.
+    ``num_tokens`` says how many leading token slots hold K/V (the last block may be partial).
+    """
+
+    spec: KVSpec
+    num_tokens: int
+    layers: list[torch.Tensor]
+    scales: list[torch.Tensor] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks were packed."""
+        return self.layers[0].shape[1] if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values and scales."""
+        return sum(t.nbytes for t in self.layers) + sum(t.nbytes for t in self.scales or ())
 
 
 class PagedKVPool:
     """K and V for every layer, shaped (num_layers, num_blocks, block_size, kv_heads, head_dim)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str) -> None:
+        shape = (spec.num_layers, num_blocks, *spec.block_shape)
+        self.spec = spec
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if spec.scale_dtype is not None:
+            scale_shape = (spec.num_layers, num_blocks, *spec.scale_shape)
+            self.k_scale = torch.ones(scale_shape, dtype=spec.scale_dtype, device=device)
+            self.v_scale = torch.ones(scale_shape, dtype=spec.scale_dtype, device=device)
         self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.block_size = spec.block_size
 
     @property
     def num_tokens(self) -> int:
@@ -25,11 +64,32 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes taken by K and V together."""
-        return self.k.nbytes + self.v.nbytes
+        """Bytes taken by K and V (and their scales) together."""
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes  # type: ignore[union-attr]
+        return self.k.nbytes + self.v.nbytes + scales
 
-    @staticmethod
-    def blocks_for_budget(config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
-        """How many blocks fit in ``memory_bytes`` of K and V."""
-        per_token = config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-        return max(1, memory_bytes // (per_token * block_size))
+    def export_blocks(self, block_ids: Sequence[int], num_tokens: int) -> PackedKV:
+        """Copy ``block_ids`` out, one packed ``(2, n, block_size, heads, dim)`` tensor per layer."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.k.device)
+        layers = [torch.stack((self.k[layer, index], self.v[layer, index])) for layer in range(self.spec.num_layers)]
+        scales = None
+        if self.k_scale is not None:
+            scales = [torch.stack((self.k_scale[layer, index], self.v_scale[layer, index]))  # type: ignore[index]
+                      for layer in range(self.spec.num_layers)]
+        return PackedKV(self.spec, num_tokens, layers, scales)
+
+    def import_blocks(self, block_ids: Sequence[int], packed: PackedKV) -> None:
+        """Write ``packed`` into ``block_ids`` (as many as it has blocks); the formats must match."""
+        if packed.spec != self.spec:
+            raise ValueError(f"KV format mismatch: received {packed.spec.to_dict()}, this pool holds "
+                             f"{self.spec.to_dict()}")
+        if len(block_ids) != packed.num_blocks:
+            raise ValueError(f"received {packed.num_blocks} blocks but {len(block_ids)} block ids to fill")
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.k.device)
+        for layer, kv in enumerate(packed.layers):
+            self.k[layer, index] = kv[0].to(self.k.device)
+            self.v[layer, index] = kv[1].to(self.v.device)
+        if self.k_scale is not None and packed.scales is not None:
+            for layer, sc in enumerate(packed.scales):
+                self.k_scale[layer, index] = sc[0].to(self.k_scale.device)
+                self.v_scale[layer, index] = sc[1].to(self.v_scale.device)  # type: ignore[index]

@@ -35,12 +35,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        #: The fused add + norm kernel; the engine swaps in its backend's version.
-        self.add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``."""
-        return self.add_rms_norm(x, residual, self.weight, self.eps)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``, computed by ``kernel`` (a backend's fused add + norm)."""
+        return kernel(x, residual, self.weight, self.eps)

@@ -73,10 +73,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cached[positions].unsqueeze(-2).to(dtype)
         sin = self.sin_cached[positions].unsqueeze(-2).to(dtype)
         return cos, sin
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k, shaped (tokens, heads, head_dim) with ``positions`` of shape (tokens,)."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -43,15 +43,30 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, to
     return filtered.softmax(dim=-1).reshape(logits.shape)
 
 
+#: Mixing constants (from PCG / splitmix64) that spread (seed, offset) pairs over 64-bit generator seeds.
+_MULTIPLIER, _INCREMENT, _MASK64 = 6364136223846793005, 1442695040888963407, (1 << 64) - 1
+
+
+def token_seed(seed: int, offset: int) -> int:
+    """The generator seed for the ``offset``-th sampled token of a request seeded with ``seed``.
+
+    Each token's randomness depends only on (seed, offset), not on a generator's history, so a
+    request's sampling can resume anywhere: after a preemption, in another process, on another worker.
+    """
+    return ((seed & _MASK64) * _MULTIPLIER + (offset + 1) * _INCREMENT) & _MASK64
+
+
 def sample_next_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int],
+    offsets: Sequence[int],
 ) -> torch.Tensor:
-    """One next token per row of ``logits`` (B, V), each row under its own parameters and generator.
+    """One next token per row of ``logits`` (B, V), each row under its own parameters.
 
-    Sampling uses the exponential-race form of a categorical draw (argmax of p / Exp(1)), which
-    needs no CPU synchronisation and gives the same token for the same generator state.
+    Row ``i`` draws its randomness from ``token_seed(seeds[i], offsets[i])``. Sampling uses the
+    exponential-race form of a categorical draw (argmax of p / Exp(1)), which needs no CPU
+    synchronisation and gives the same token for the same seed and offset.
     """
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
@@ -65,7 +80,8 @@ def sample_next_tokens(
     top_p = torch.tensor([params[i].top_p for i in sampled_rows])
     probs = top_k_top_p_filter(rows, top_k, top_p).softmax(dim=-1)
     noise = torch.empty_like(probs)
+    generator = torch.Generator(device=logits.device)
     for j, i in enumerate(sampled_rows):
-        noise[j].exponential_(generator=generators[i])
+        noise[j].exponential_(generator=generator.manual_seed(token_seed(seeds[i], offsets[i])))
     greedy[idx] = (probs / noise).argmax(dim=-1)
     return greedy

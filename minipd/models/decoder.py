@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from minipd.config import ModelConfig
-from minipd.kernels.backend import KernelBackend
-from minipd.kv.contiguous import KVCache
+from minipd.kv.base import KVCache
 from minipd.layers.attention import attention
 from minipd.layers.mlp import SwiGLU
 from minipd.layers.moe import MoE
 from minipd.layers.norm import RMSNorm
 from minipd.layers.rotary import RotaryEmbedding, apply_rotary
+from minipd.models.forward_context import ForwardContext
 
 
 class SelfAttention(nn.Module):
@@ -76,10 +76,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, context.cache)
         # x + attn_out and its RMSNorm in one kernel: the sum is the residual stream, the norm feeds the MLP.
-        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x)
+        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x, context.kernels.add_rms_norm)
         return x + self.mlp(h)
 
 
@@ -97,25 +97,22 @@ class DecoderModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                context: ForwardContext | KVCache | None = None) -> torch.Tensor:
         """Hidden states (T, hidden) for ``input_ids`` (T,) at ``positions`` (T,).
 
+        ``context`` carries this pass's KV cache and kernels (a bare cache means the torch kernels).
         With a cache, the new tokens' K/V are appended to it and the queries attend to everything
         cached before them, so prefill (many tokens) and decode (one token) are the same call.
         """
+        context = ForwardContext.of(context)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
-        if cache is not None:
-            cache.advance(input_ids.shape[0])
+            x = layer(x, cos, sin, context)
+        if context.cache is not None:
+            context.cache.advance(input_ids.shape[0])
         return self.norm(x)
-
-    def set_kernels(self, kernels: KernelBackend) -> None:
-        """Route the fused add + RMSNorm of every layer through ``kernels``."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.add_rms_norm = kernels.add_rms_norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from final hidden states, in fp32."""

@@ -1,0 +1,263 @@
+"""The engine core: scheduler, KV pool and model runner behind add / abort / step, on plain data.
+
+The core knows token ids, never text. It takes :class:`~minipd.engine.request.Request` objects
+(picklable), and each :meth:`EngineCore.step` returns :class:`~minipd.engine.request.EngineCoreOutputs`
+(new token ids, finish reasons, counters). That is what lets the same core run in-process under
+:class:`~minipd.llm.LLM`, or in a thread or another process behind queues
+(:mod:`minipd.engine.core_client`) for a server, a prefill or decode worker, or an expert-parallel rank;
+detokenisation, stop strings and :class:`~minipd.outputs.RequestOutput` live in the front end
+(:mod:`minipd.engine.output_processor`).
+
+Each step is a transaction: if the model raises (out of memory, Ctrl-C, a bug), the step's
+requests go back to waiting and nothing it half-wrote is ever registered for prefix reuse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from minipd.engine.config import EngineConfig
+from minipd.engine.model_runner import ModelRunner
+from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
+from minipd.engine.scheduler import ScheduledBatch, Scheduler
+from minipd.engine.stats import StepStats
+from minipd.kernels.backend import get_backend
+from minipd.kv.block_manager import BlockManager
+from minipd.kv.paged_pool import PackedKV, PagedKVPool
+from minipd.kv.spec import KV_DTYPES, KVSpec
+from minipd.models.decoder import DecoderModel
+
+#: Default KV budget on CPU: room for ~85k tokens of tiny-py, and quick to allocate.
+CPU_KV_MEMORY = 256 << 20
+
+
+class EngineCore:
+    """A continuous-batching engine over a paged KV cache for one model, driven by plain messages."""
+
+    def __init__(self, model: DecoderModel, config: EngineConfig, max_model_len: int) -> None:
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.kernels = get_backend(config.kernel_backend, self.device)
+        kv_dtype = self.dtype if config.kv_cache_dtype in (None, "auto") else KV_DTYPES[config.kv_cache_dtype]
+        self.kv_spec = KVSpec.for_model(model.config, config.block_size, kv_dtype)
+        # Kernel constraints are checked now, not at the first generate.
+        self.kernels.check(self.kv_spec, self.dtype)
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.pool = self._allocate_pool(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)  # type: ignore[arg-type]
+        self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
+                                  config.max_num_seqs, max_model_len)
+        #: Live requests (waiting, running, waiting for K/V, or finished but holding K/V), by id.
+        self.requests: dict[str, Request] = {}
+        #: The most recent steps' records (a ring buffer: a long-running service does not grow).
+        self.step_stats: deque[StepStats] = deque(maxlen=config.stats_history)
+        #: Called with every step's record, for consumers that keep their own (metrics exporters).
+        self.step_callbacks: list[Callable[[StepStats], None]] = []
+        self.num_steps = 0
+        self._imports: dict[str, PackedKV] = {}
+
+    def _default_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            return self.kv_spec.blocks_for_budget(cfg.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free // 2
+        else:
+            budget = CPU_KV_MEMORY
+        # More than every running sequence at full length can use would only waste memory.
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return min(self.kv_spec.blocks_for_budget(budget), useful)
+
+    def _allocate_pool(self, num_blocks: int) -> PagedKVPool:
+        try:
+            return PagedKVPool(self.kv_spec, num_blocks, self.device)
+        except (RuntimeError, MemoryError) as err:  # torch reports a failed allocation as RuntimeError
+            field = "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory"
+            need = num_blocks * self.kv_spec.bytes_per_block
+            raise ValueError(f"cannot allocate a KV pool of {num_blocks} blocks x block_size "
+                             f"{self.config.block_size} ({need / 2**20:.1f} MiB) on {self.device}: lower "
+                             f"{field} or block_size ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """How many tokens of K/V the pool holds."""
+        return self.pool.num_tokens
+
+    # ---------------------------------------------------------------------------------- requests
+    def check_fits(self, num_tokens: int, max_tokens: int, what: str = "the request") -> None:
+        """Refuse a request that could never fit the pool, however long it waited."""
+        longest = min(self.max_model_len, num_tokens + max_tokens)
+        # The last sampled token is never fed back, so its K/V never need a slot.
+        blocks = -(-(longest - 1) // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"{what} may grow to {longest} tokens ({blocks} KV blocks) but the pool has "
+                             f"{self.block_manager.num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+
+    def add_request(self, request: Request, kv: PackedKV | None = None) -> None:
+        """Queue a request. With ``kv``, its first ``request.num_external_tokens`` tokens' K/V are given.
+
+        A request with ``num_external_tokens`` but no ``kv`` waits, holding its blocks, until
+        :meth:`import_kv` or :meth:`finish_kv_load` says they arrived.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not 0 <= request.num_external_tokens < request.num_tokens:
+            raise ValueError(f"num_external_tokens must be in [0, {request.num_tokens}) for a request of "
+                             f"{request.num_tokens} tokens (the last token is computed to sample the next), "
+                             f"got {request.num_external_tokens}")
+        if kv is not None:
+            if kv.num_tokens != request.num_external_tokens:
+                raise ValueError(f"the KV given holds {kv.num_tokens} tokens but num_external_tokens is "
+                                 f"{request.num_external_tokens}")
+            if kv.spec != self.kv_spec:
+                raise ValueError(f"KV format mismatch: given {kv.spec.to_dict()}, this engine stores "
+                                 f"{self.kv_spec.to_dict()}")
+        self.check_fits(request.num_tokens, request.params.max_tokens)
+        self.requests[request.request_id] = request
+        if kv is not None:
+            self._imports[request.request_id] = kv
+        self.scheduler.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Stop requests now and free their blocks; one final ``"abort"`` output for each that was live."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            self._imports.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status is RequestStatus.FINISHED_HOLDING_KV:
+                self.scheduler.release_kv(request_id)
+                continue
+            request.finish(FinishReason.ABORT)
+            self.scheduler.finish(request)
+            outputs.append(self._output(request, []))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, waiting for K/V, or running."""
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------------- KV in and out
+    def kv_blocks_of(self, request_id: str) -> list[int]:
+        """The block table of a live request (where its K/V are, or where arriving K/V must go)."""
+        return list(self._live(request_id).blocks.block_table)
+
+    def import_kv(self, request_id: str, kv: PackedKV) -> None:
+        """Write K/V received for a request that waits for them, and let it compute the rest."""
+        request = self._live(request_id)
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        if kv.num_tokens != request.num_external_tokens:
+            raise ValueError(f"the KV given holds {kv.num_tokens} tokens but the request waits for "
+                             f"{request.num_external_tokens}")
+        self.pool.import_blocks(request.blocks.block_table[:kv.num_blocks], kv)
+        self.scheduler.kv_arrived(request_id)
+
+    def finish_kv_load(self, request_id: str) -> None:
+        """K/V for the request were written straight into its blocks (e.g. by NIXL): let it compute the rest."""
+        request = self._live(request_id)
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self.scheduler.kv_arrived(request_id)
+
+    def export_kv(self, request_id: str, num_tokens: int | None = None) -> PackedKV:
+        """Pack the K/V of a request's first ``num_tokens`` computed tokens (all by default)."""
+        request = self._live(request_id)
+        computed = request.num_computed_tokens
+        num_tokens = computed if num_tokens is None else num_tokens
+        if not 0 < num_tokens <= computed:
+            raise ValueError(f"num_tokens must be in [1, {computed}] (tokens with K/V), got {num_tokens}")
+        if request.blocks.num_dropped_tokens:
+            raise ValueError(f"request {request_id!r} dropped blocks (token eviction): its K/V no longer "
+                             "line up with its tokens")
+        blocks = -(-num_tokens // self.config.block_size)
+        return self.pool.export_blocks(request.blocks.block_table[:blocks], num_tokens)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
+            return False
+        del self.requests[request_id]
+        return self.scheduler.release_kv(request_id)
+
+    def _live(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no live request {request_id!r}")
+        return request
+
+    # -------------------------------------------------------------------------------------- step
+    def step(self) -> EngineCoreOutputs:
+        """Run one scheduling step; report every request that got a token or finished."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        self._apply_imports(batch)
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running and not self.scheduler.waiting_for_kv:
+                # Requests are checked to fit the pool on arrival, so this is a bug, not a load condition.
+                raise RuntimeError("the scheduler could not schedule any of the waiting requests")
+            return EngineCoreOutputs([], start)
+        decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
+        try:
+            sampled, tokens = self.runner.execute(batch)
+        except BaseException:
+            # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
+            self.scheduler.rollback(batch)
+            raise
+        self.scheduler.commit(batch)
+        now = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
+        num_prefill = num_decode = 0
+        for (request, n), is_decode in zip(batch.entries, decodes, strict=True):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+            if is_decode:
+                num_decode += 1
+            else:
+                num_prefill += n
+                request.num_prefill_tokens += n
+        for request, token in zip(sampled, tokens, strict=True):
+            request.append_token(token)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request)
+                if request.status is RequestStatus.FINISHED:
+                    del self.requests[request.request_id]
+            outputs.append(self._output(request, [token]))
+        self._record(StepStats(
+            start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_free=self.block_manager.num_free_blocks,
+            prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
+            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
+        return EngineCoreOutputs(outputs, now)
+
+    def _apply_imports(self, batch: ScheduledBatch) -> None:
+        for request in batch.kv_loads:
+            kv = self._imports.pop(request.request_id, None)
+            if kv is not None:
+                self.pool.import_blocks(request.blocks.block_table[:kv.num_blocks], kv)
+                self.scheduler.kv_arrived(request.request_id)
+
+    def _record(self, stats: StepStats) -> None:
+        self.num_steps += 1
+        self.step_stats.append(stats)
+        for callback in self.step_callbacks:
+            callback(stats)
+
+    @staticmethod
+    def _output(request: Request, new_tokens: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(request.request_id, new_tokens, request.finish_reason, request.stop_reason,
+                                request.num_cached_tokens, request.num_preemptions, request.num_prefill_tokens,
+                                request.first_scheduled_time)

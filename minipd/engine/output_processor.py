@@ -1,0 +1,159 @@
+"""The front end's half of a request: text, stop strings, metrics and :class:`~minipd.outputs.RequestOutput`.
+
+The engine core reports token ids; this module turns them into what a caller reads. It keeps one
+:class:`RequestState` per request — the incremental detokeniser, the text emitted so far, the
+timestamps — and turns each step's :class:`~minipd.engine.request.EngineCoreOutputs` into
+:class:`~minipd.outputs.StreamDelta` objects. Because it only needs those plain outputs, it works
+the same whether the core runs in this process or in another one.
+
+Stop strings are found here: a streamed delta never shows text that could still turn out to be
+the start of a stop string; it is held back until it cannot, and dropped if it does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, Request
+from minipd.outputs import RequestMetrics, RequestOutput, StreamDelta
+from minipd.sampling_params import SamplingParams
+from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the front end keeps for one request while it runs."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    #: Text already emitted to the caller.
+    text: str = ""
+    #: Decoded text not emitted yet because it might be the start of a stop string.
+    held: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    #: Deltas kept for a consumer that follows this request (see :meth:`OutputProcessor.watch`).
+    outbox: deque[StreamDelta] | None = None
+    #: The core's own request object, when the core runs in this process (chapters look inside it).
+    request: Request | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the request has a finish reason."""
+        return self.finish_reason is not None
+
+    def to_output(self) -> RequestOutput:
+        """A snapshot of the request as the public :class:`RequestOutput`."""
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_token_ids), token_ids=list(self.token_ids),
+                             text=self.text, finish_reason=self.finish_reason, metrics=self.metrics,
+                             stop_reason=self.stop_reason)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class OutputProcessor:
+    """Turns the core's token-id outputs into text deltas and finished :class:`RequestOutput` objects."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                  arrival_time: float) -> RequestState:
+        """A fresh state for a request (not registered until :meth:`add`)."""
+        return RequestState(request_id, prompt, prompt_token_ids, params, IncrementalDetokenizer(self.tokenizer),
+                            RequestMetrics(arrival_time=arrival_time))
+
+    def add(self, state: RequestState) -> None:
+        """Follow ``state``'s request from now on."""
+        self.states[state.request_id] = state
+
+    def watch(self, request_id: str) -> deque[StreamDelta]:
+        """Keep every future delta of ``request_id`` in a queue, so several streams can share the engine."""
+        state = self.states[request_id]
+        if state.outbox is None:
+            state.outbox = deque()
+        return state.outbox
+
+    def process(self, outputs: EngineCoreOutputs) -> tuple[list[StreamDelta], list[str]]:
+        """Apply one step's outputs; return the deltas and the ids the core must abort (stop string hit)."""
+        deltas, to_abort = [], []
+        for out in outputs.outputs:
+            state = self.states.get(out.request_id)
+            if state is None or state.finished:
+                continue  # already ended here (e.g. a stop string), the core's report comes after
+            delta = self._apply(state, out, outputs.timestamp)
+            if state.finished:
+                del self.states[out.request_id]
+                if not out.finished:
+                    to_abort.append(out.request_id)
+            deltas.append(delta)
+            if state.outbox is not None:
+                state.outbox.append(delta)
+        return deltas, to_abort
+
+    def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> StreamDelta:
+        m = state.metrics
+        m.cached_tokens, m.preemptions, m.prefill_tokens = out.num_cached_tokens, out.num_preemptions, \
+            out.num_prefill_tokens
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = out.first_scheduled_time
+        token_id = None
+        text = ""
+        for token_id in out.new_token_ids:
+            state.token_ids.append(token_id)
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.token_times.append(now)
+            state.held += state.detokenizer.add(token_id, last=out.finished)
+        if out.finished:
+            state.finish_reason = out.finish_reason.value if out.finish_reason is not None else None
+            state.stop_reason = out.stop_reason
+        text = self._release_text(state)
+        if state.finished:
+            m.finish_time = now
+        return StreamDelta(state.request_id, token_id, text, state.finish_reason, state.to_output)
+
+    @staticmethod
+    def _release_text(state: RequestState) -> str:
+        """Move what can be shown from ``held`` to ``text``; end the request at a stop string."""
+        stops = state.params.stop_strings
+        if not stops or not state.held:
+            text, state.held = state.held, ""
+            state.text += text
+            return text
+        # A stop string may straddle emitted text and the new text, so search a window covering both.
+        longest = max(len(s) for s in stops)
+        start = max(0, len(state.text) - longest + 1)
+        window = state.text[start:] + state.held
+        hits = [(window.find(s), s) for s in stops if s in window]
+        if hits:
+            offset, stop = min(hits)
+            cut = max(0, start + offset - len(state.text))
+            text = state.held[:cut]
+            state.text += text
+            state.held = ""
+            state.finish_reason, state.stop_reason = "stop", stop
+            return text
+        keep = 0 if state.finished else _held_back(state.text + state.held, stops)
+        keep = min(keep, len(state.held))
+        text = state.held[:len(state.held) - keep]
+        state.held = state.held[len(state.held) - keep:]
+        state.text += text
+        return text

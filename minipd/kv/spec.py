@@ -1,0 +1,90 @@
+"""The KV format: how K and V are laid out in the pool, in one place.
+
+A :class:`KVSpec` says what one block holds — its token count, element dtype, heads and head size,
+and, for quantized formats, the scales stored beside the values. The pool allocates from it, the
+kernels are checked against it, and a worker that receives blocks from another compares specs
+before copying a byte. A new cache format (int8 with scales, say) is a new spec, not edits in the
+pool, the runner and every kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minipd.config import ModelConfig
+
+#: Cache dtypes by name, as ``EngineConfig.kv_cache_dtype`` accepts them.
+KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
+                                      "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """How one layer's K (and likewise V) is stored: ``(num_blocks, block_size, kv_heads, head_dim)``.
+
+    ``scale_shape``/``scale_dtype`` describe per-block scale tensors for quantized formats
+    (empty/None for plain floating-point caches); they are allocated beside the values with shape
+    ``(num_blocks, *scale_shape)`` per layer for K and for V.
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale_shape: tuple[int, ...] = ()
+    scale_dtype: torch.dtype | None = None
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVSpec:
+        """A plain floating-point cache of ``dtype`` for ``config``'s attention layers."""
+        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """Shape of one block of K (or V) in one layer."""
+        return self.block_size, self.num_kv_heads, self.head_dim
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when values come with scales."""
+        return self.scale_dtype is not None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V, scales included."""
+        values = math.prod(self.block_shape) * _element_size(self.dtype)
+        scales = math.prod(self.scale_shape) * _element_size(self.scale_dtype) if self.scale_dtype else 0
+        return 2 * self.num_layers * (values + scales)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes per cached token (a block's bytes over its tokens)."""
+        return self.bytes_per_block / self.block_size
+
+    def blocks_for_budget(self, memory_bytes: int) -> int:
+        """How many blocks fit in ``memory_bytes`` (at least one)."""
+        return max(1, memory_bytes // self.bytes_per_block)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (dtypes by name) for a handshake between workers."""
+        return {"num_layers": self.num_layers, "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
+                "scale_shape": list(self.scale_shape),
+                "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVSpec:
+        """Inverse of :meth:`to_dict`."""
+        scale = raw.get("scale_dtype")
+        return cls(raw["num_layers"], raw["block_size"], raw["num_kv_heads"], raw["head_dim"],
+                   getattr(torch, raw["dtype"]), tuple(raw.get("scale_shape", ())),
+                   None if scale is None else getattr(torch, scale))
+
+
+def _element_size(dtype: torch.dtype | None) -> int:
+    return torch.empty((), dtype=dtype).element_size()
