@@ -1,39 +1,64 @@
-"""A routed mixture of SwiGLU experts (Mixtral style): softmax router, top-k, renormalised weights.
+"""A routed mixture of SwiGLU experts: router → dispatcher → stacked experts → combine.
 
-This is the plain reference form, looping over the experts that received tokens; the MoE chapter
-builds the faster grouped and expert-parallel forms and checks them against this one.
+Each stage is its own small piece in :mod:`minipd.moe`: the router picks ``top_k`` experts and weights
+per token, the dispatcher groups the rows by expert, the stacked experts run every group (one grouped
+matmul on CUDA), and the dispatcher's combine puts the weighted outputs back in token order.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from minipd.layers.mlp import SwiGLU
+from minipd.moe.dispatch import Dispatcher, LocalDispatcher
+from minipd.moe.experts import Implementation, StackedExperts
+from minipd.moe.router import Router, SigmoidGroupedRouter, SoftmaxRouter, softmax_topk
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick ``top_k`` experts per token; weights are their softmax probabilities renormalised to 1."""
-    probs = F.softmax(router_logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), experts
+    """Mixtral routing: the ``top_k`` experts by softmax probability, weights renormalised to sum to 1."""
+    return softmax_topk(router_logits, top_k, renormalize=True)
 
 
 class MoE(nn.Module):
-    """``num_experts`` SwiGLU experts and a linear router; each token runs through ``top_k`` of them."""
+    """``num_experts`` SwiGLU experts and a router; each token runs through ``top_k`` of them.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    Keyword options choose the router: ``scoring="softmax"`` (Mixtral; ``renormalize=False`` for
+    Qwen-MoE without ``norm_topk_prob``) or ``scoring="sigmoid"`` (DeepSeek-V3: ``n_group``,
+    ``topk_group``, ``routed_scaling_factor``, and ``renormalize`` as ``norm_topk_prob``).
+    ``implementation`` picks the experts' matmul path (see :class:`~minipd.moe.experts.StackedExperts`)
+    and ``dispatcher`` replaces the local one (e.g. with an expert-parallel all-to-all).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 scoring: Literal["softmax", "sigmoid"] = "softmax", renormalize: bool = True, n_group: int = 1,
+                 topk_group: int = 1, routed_scaling_factor: float = 1.0, implementation: Implementation = "auto",
+                 dispatcher: Dispatcher | None = None) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.router: Router
+        if scoring == "softmax":
+            if (n_group, topk_group, routed_scaling_factor) != (1, 1, 1.0):
+                raise ValueError("n_group, topk_group and routed_scaling_factor apply to scoring='sigmoid' only")
+            self.router = SoftmaxRouter(hidden_size, num_experts, top_k, renormalize)
+        elif scoring == "sigmoid":
+            self.router = SigmoidGroupedRouter(hidden_size, num_experts, top_k, n_group, topk_group,
+                                               routed_scaling_factor, renormalize)
+        else:
+            raise ValueError(f"unknown router scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(num_experts)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, implementation)
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token."""
+        return self.router.top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.router(x), self.top_k)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token_idx, slot = torch.where(experts == e)
-            y = self.experts[e](x[token_idx]) * weights[token_idx, slot, None].to(x.dtype)
-            out.index_add_(0, token_idx, y)
-        return out
+        """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
+        hidden = x.reshape(-1, x.shape[-1])
+        weights, expert_ids = self.router(hidden)
+        batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
+        out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
+        return out.view(x.shape)

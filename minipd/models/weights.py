@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from minipd.models.decoder import DecoderModel
 
@@ -20,10 +20,22 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files of a model folder: the sharded index's files, or the single file."""
+    """The safetensors files of a model folder: the sharded index's files, or the single file.
+
+    A corrupt index is a ``ValueError`` naming it; a missing shard or no weights at all is a
+    ``FileNotFoundError`` naming what is missing.
+    """
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index} is not a valid safetensors index (expected JSON with a "
+                             f"'weight_map' of tensor name to shard file): {err!r}") from err
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard(s) missing from {folder}: {', '.join(missing)}")
         return [folder / name for name in shards]
     single = folder / "model.safetensors"
     if single.exists():
@@ -35,15 +47,31 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of a checkpoint, one tensor in memory at a time."""
+    """Every (name, tensor) of a checkpoint, one tensor in memory at a time.
+
+    A truncated or corrupt file is a ``ValueError`` naming it (safetensors' own error names no file).
+    """
     for path in checkpoint_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            f = safe_open(str(path), framework="pt")
+        except SafetensorError as err:
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from err
+        with f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as err:
+                    raise ValueError(f"{path}: tensor {name!r} cannot be read (truncated or corrupt?): {err}") from err
+                yield name, tensor
 
 
-def _target(model: DecoderModel, hf_name: str) -> tuple[str, slice | None] | None:
-    """Our parameter name for an HF tensor and the row slice of it that the tensor fills."""
+#: Where in one of our parameters an HF tensor goes: all of it (None), a row range of it, or for
+#: stacked expert weights an expert (and optionally that expert's row range).
+Index = slice | int | tuple[int, slice] | None
+
+
+def _target(model: DecoderModel, hf_name: str) -> tuple[str, Index] | None:
+    """Our parameter name for an HF tensor and the part of it (see :data:`Index`) that the tensor fills."""
     cfg = model.config
     if hf_name == "model.embed_tokens.weight":
         return "embed_tokens.weight", None
@@ -66,22 +94,27 @@ def _target(model: DecoderModel, hf_name: str) -> tuple[str, slice | None] | Non
         half = slice(0, inter) if parts[1] == "gate_proj" else slice(inter, 2 * inter)
         return prefix + "mlp.gate_up_proj.weight", half
     if parts[0] in ("block_sparse_moe", "mlp") and parts[1] == "gate":
-        return prefix + "mlp.router.weight", None
+        # gate.weight, and DeepSeek-V3's gate.e_score_correction_bias, belong to our router.
+        return prefix + "mlp.router." + ".".join(parts[2:]), None
     if parts[0] == "block_sparse_moe" and parts[1] == "experts":
-        expert, which = parts[2], parts[3]
-        rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": None}[which]
-        name = "down_proj" if which == "w2" else "gate_up_proj"
-        return prefix + f"mlp.experts.{expert}.{name}.weight", rows
+        # Per-expert Mixtral tensors: w1 (gate) and w3 (up) are halves of expert e's gate_up rows, w2 its down_proj.
+        expert, which = int(parts[2]), parts[3]
+        if which == "w2":
+            return prefix + "mlp.experts.down_proj", expert
+        half = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+        return prefix + "mlp.experts.gate_up_proj", (expert, half)
+    if parts[0] == "mlp" and parts[1] == "experts" and len(parts) == 3:
+        # transformers 5 stores all experts of a layer as one (E, out, in) tensor: our layout exactly.
+        return prefix + f"mlp.experts.{parts[2]}", None
     return prefix + rest, None
 
 
 def load_weights(model: DecoderModel, folder: Path) -> None:
     """Copy every tensor of the checkpoint in ``folder`` into ``model``; fail on anything missing."""
     params = dict(model.named_parameters())
+    # Elements filled per parameter: fused and stacked parameters are filled piece by piece.
     filled: dict[str, int] = {}
     for hf_name, tensor in iter_checkpoint(folder):
-        if _load_fused_experts(model, params, filled, hf_name, tensor):
-            continue
         target = _target(model, hf_name)
         if target is None:
             continue
@@ -92,23 +125,9 @@ def load_weights(model: DecoderModel, folder: Path) -> None:
         if dest.shape != tensor.shape:
             raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dest.shape)}")
         dest.copy_(tensor)
-        filled[name] = filled.get(name, 0) + tensor.shape[0]
-    missing = [n for n, p in params.items() if filled.get(n, 0) < p.shape[0]
+        filled[name] = filled.get(name, 0) + tensor.numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()
                and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
         raise ValueError(f"checkpoint in {folder} has no weights for: {', '.join(missing[:8])}"
                          + (" …" if len(missing) > 8 else ""))
-
-
-def _load_fused_experts(model: DecoderModel, params: dict, filled: dict, hf_name: str,
-                        tensor: torch.Tensor) -> bool:
-    """transformers 5 may store all experts of a layer as one (E, out, in) tensor; split it."""
-    match = _LAYER.match(hf_name)
-    if match is None or not re.fullmatch(r"mlp\.experts\.(gate_up_proj|down_proj)", match.group(2)):
-        return False
-    kind = match.group(2).rsplit(".", 1)[1]
-    for e in range(tensor.shape[0]):
-        name = f"layers.{match.group(1)}.mlp.experts.{e}.{kind}.weight"
-        params[name].data.copy_(tensor[e])
-        filled[name] = tensor.shape[1]
-    return True
