@@ -5,26 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def _generate(args: argparse.Namespace) -> int:
     from minipd import LLM, SamplingParams
 
-    try:
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-                                top_k=args.top_k, top_p=args.top_p)
-        llm = LLM(args.model, device=args.device)
-        stream = llm.stream(args.prompt, params)
-        sys.stdout.write(args.prompt)
-        last = None
-        for delta in stream:
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-            last = delta
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    assert last is not None
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+                            top_k=args.top_k, top_p=args.top_p)
+    llm = LLM(args.model, device=args.device)
+    sys.stdout.write(args.prompt)
+    last = None
+    for delta in llm.stream(args.prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        last = delta
+    assert last is not None  # a request always yields at least one token
     m = last.output.metrics
     tpot = f"{m.tpot * 1e3:.2f} ms" if m.tpot is not None else "n/a (one token)"
     print(f"\n\n[{len(last.output.token_ids)} tokens, finish: {last.finish_reason}] "
@@ -59,8 +55,15 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage mistakes reach :func:`main` as ``ValueError``, reported like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see `{self.prog} -h`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minipd", description="minipd: a small LLM inference engine")
+    parser = _Parser(prog="python -m minipd", description="minipd: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a continuation of a prompt")
     gen.add_argument("prompt")
@@ -82,9 +85,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m minipd`` and the ``minipd`` script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the benchmark has its own options; hand them over untouched
-        return _bench(argparse.Namespace(bench_args=argv[1:]))
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Entry point of ``python -m minipd`` and the ``minipd`` script.
+
+    Errors never show a traceback: each is one ``error: ...`` line on stderr. Exit status 2 means
+    bad input (arguments, model name, device, a corrupt or missing model file), 1 an unexpected
+    failure (its exception type is named), 130 Ctrl-C.
+    """
+    try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if argv[:1] == ["bench"]:  # the benchmark has its own options; hand them over untouched
+            return _bench(argparse.Namespace(bench_args=argv[1:]))
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as err:  # OSError: missing or unreadable files
+        return _fail(str(err), 2)
+    except Exception as err:
+        return _fail(f"{type(err).__name__}: {err}", 1)
+
+
+def _fail(message: str, status: int) -> int:
+    """Print ``message`` as one ``error:`` line (newlines folded) and return ``status``."""
+    print(f"error: {' '.join(message.split()) or 'unknown error'}", file=sys.stderr)
+    return status

@@ -16,6 +16,10 @@ DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: Mixture-of-experts families: the same attention, with a routed set of SwiGLU experts as the MLP.
 MOE_FAMILIES = ("mixtral",)
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+#: Fields every ``config.json`` must give, each a positive integer.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+#: Fields that may be absent or null, but when given must be positive integers.
+OPTIONAL_POSITIVE_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from the parsed contents of an HF ``config.json``."""
+        """Build from the parsed contents of an HF ``config.json``.
+
+        Raises ``ValueError`` naming the field when a required one is missing or not a positive integer.
+        """
+        if not isinstance(raw, dict):
+            raise ValueError(f"the config must be a JSON object of fields, got {type(raw).__name__}")
+        _check_fields(raw)
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_FAMILIES:
             raise ValueError(
@@ -114,9 +124,36 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
-        """Read ``config.json`` from a local HF-format model folder."""
+        """Read ``config.json`` from a local HF-format model folder.
+
+        A file that is not valid JSON, or lacks what minipd needs, is a ``ValueError`` whose message
+        starts with the file's path; a missing file is a ``FileNotFoundError`` naming it.
+        """
         path = Path(folder) / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (a model folder needs an HF config.json)")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); is the file truncated or corrupt?") from err
+        try:
+            return cls.from_dict(raw)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+
+
+def _check_fields(raw: dict[str, Any]) -> None:
+    """Required shape fields present and positive integers, so a bad config fails here and not deep in the model."""
+    for name in REQUIRED_FIELDS:
+        if name not in raw:
+            raise ValueError(f"required field {name!r} is missing")
+    for name in REQUIRED_FIELDS + OPTIONAL_POSITIVE_FIELDS:
+        value = raw.get(name)
+        if name in OPTIONAL_POSITIVE_FIELDS and value is None:
+            continue
+        # bool is an int to Python; JSON true would otherwise pass as 1.
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"field {name!r} must be a positive integer, got {value!r}")
 
 
 def _read_rope(raw: dict[str, Any]) -> RopeConfig:

@@ -2,22 +2,55 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+#: Seeds go to ``torch.Generator.manual_seed``, which takes anything that fits a signed or an
+#: unsigned 64-bit integer (a negative seed wraps: -1 and 2**64 - 1 give the same tokens).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: top_k becomes an int64 tensor in the sampler, so it must fit a signed 64-bit integer.
+TOP_K_MAX = 2**63 - 1
+
+
+def is_integer(value: object) -> bool:
+    """True for Python and NumPy integers; False for bools, which Python counts as integers."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """True for finite real numbers (Python or NumPy); False for bools, NaN and infinities."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_seed(name: str, seed: object) -> int | None:
+    """``seed`` as a plain int (or None); ``ValueError`` naming ``name`` when it is not a 64-bit integer."""
+    if seed is None:
+        return None
+    if not is_integer(seed) or not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"{name} must be None or an integer in [-2**63, 2**64 - 1] (a 64-bit seed), got {seed!r}")
+    return int(seed)
 
 
 @dataclass
 class SamplingParams:
     """Decoding settings for one request, checked when constructed.
 
+    Every field is checked here, so a bad value is a ``ValueError`` naming the field before any
+    request is queued. Bools are refused wherever a number is expected (Python would read True as 1);
+    NumPy numbers are accepted and stored as plain Python ones.
+
     Args:
         temperature: divides the logits before softmax; 0 means greedy (always the most likely token).
-        top_k: sample only among the k most likely tokens; -1 means all of them.
+        top_k: sample only among the k most likely tokens; -1 means all of them. A k larger than the
+            vocabulary is allowed and means all tokens; it must fit a signed 64-bit integer.
         top_p: sample from the smallest set of most likely tokens whose probability reaches top_p.
         max_tokens: the most new tokens to generate (at least 1).
         stop: strings that end generation when they appear in the text; they are not returned.
         stop_token_ids: token ids that end generation, besides the model's end-of-sequence tokens.
         ignore_eos: keep generating past end-of-sequence tokens (for benchmarks with fixed lengths).
-        seed: with the same seed, sampling gives the same tokens; None draws a fresh seed.
+        seed: with the same seed, sampling gives the same tokens; None draws a fresh seed. Any integer
+            in [-2**63, 2**64 - 1]; negative seeds wrap modulo 2**64, as in ``torch.manual_seed``.
     """
 
     temperature: float = 1.0
@@ -31,28 +64,38 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (all tokens) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        self.temperature = float(self.temperature)
+        if not is_integer(self.top_k) or self.top_k < -1 or self.top_k == 0 or self.top_k > TOP_K_MAX:
+            raise ValueError(f"top_k must be -1 (all tokens) or a positive integer below 2**63, got {self.top_k!r}")
+        self.top_k = int(self.top_k)
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.top_p = float(self.top_p)
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self._stop_list = stops
-        ids = self.stop_token_ids or []
-        if any(not isinstance(t, int) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.max_tokens = int(self.max_tokens)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.seed = check_seed("seed", self.seed)
+        self._stop_list = self._check_stop(self.stop)
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(is_integer(t) and t >= 0 for t in ids):
+                raise ValueError(f"stop_token_ids must be None or a list of non-negative integers, got {ids!r}")
+            self.stop_token_ids = [int(t) for t in ids]
 
-    @property
-    def greedy(self) -> bool:
-        """True when decoding always takes the most likely token."""
-        return self.temperature == 0
+    @staticmethod
+    def _check_stop(stop: object) -> list[str]:
+        """``stop`` as a list of non-empty strings, or ``ValueError`` naming the field."""
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        # An empty stop string would match at once and end every request with no text.
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be None, a non-empty string or a list of them, got {stop!r}")
+        return list(stops)
 
     @property
     def stop_strings(self) -> list[str]:

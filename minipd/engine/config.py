@@ -4,21 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from minipd.sampling_params import is_integer, is_real
+
 
 @dataclass
 class EngineConfig:
     """How the engine sizes its KV pool and schedules work.
 
+    Every field is checked when the config is built, before a model is loaded: a bad value is a
+    ``ValueError`` naming the field and what it allows. Bools are refused where integers are
+    expected (Python would read True as 1); NumPy integers are stored as plain ints.
+
     Args:
         block_size: tokens per KV block.
         num_kv_blocks: blocks in the pool; when None, sized from ``kv_cache_memory``.
         kv_cache_memory: bytes for K and V; when None, 256 MiB on CPU or half the free GPU memory,
-            and never more than ``max_num_seqs`` full-length sequences need.
+            and never more than ``max_num_seqs`` full-length sequences need. A float with no
+            fractional part (``4e9``) is accepted as that many bytes; any other float is refused.
         max_num_batched_tokens: token budget of one step, shared by decodes and prefill chunks.
         max_num_seqs: most requests running at once.
-        enable_prefix_caching: reuse the KV blocks of prompts' common prefixes.
-        scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or a policy object.
+        enable_prefix_caching: reuse the KV blocks of prompts' common prefixes (True or False).
+        scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
+            :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
+        kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
+            ``"float16"`` or ``"bfloat16"`` — independent of the model's dtype.
+        stats_history: how many recent steps' :class:`~minipd.engine.stats.StepStats` the engine
+            keeps (older ones are dropped, so a long-running service does not grow).
     """
 
     block_size: int = 16
@@ -29,19 +41,55 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
+    kv_cache_dtype: str = "auto"
+    stats_history: int = 10_000
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
-        for name in positive:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
-        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int)
-                                                 or self.kv_cache_memory < 1):
-            raise ValueError(
-                f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}")
+            setattr(self, name, int(value))
+        if self.num_kv_blocks is not None:
+            if not is_integer(self.num_kv_blocks) or self.num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
+            self.num_kv_blocks = int(self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            memory = self.kv_cache_memory
+            # 4e9 is how people write byte counts; accept floats that are whole numbers, nothing fractional.
+            whole = is_integer(memory) or (is_real(memory) and float(memory).is_integer())
+            if not whole or memory < 1:
+                raise ValueError(f"kv_cache_memory must be None or a positive whole number of bytes, got {memory!r}")
+            self.kv_cache_memory = int(memory)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        self._check_policy()
+        self._check_backend()
+        kv_dtypes = ("auto", "float32", "float16", "bfloat16")
+        if self.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if not is_integer(self.stats_history) or self.stats_history < 1:
+            raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
+
+    def _check_policy(self) -> None:
+        # Imported here: the scheduler pulls in the KV block manager, which the config has no other need for.
+        from minipd.engine.scheduler import POLICIES, SchedulingPolicy
+
+        policy = self.scheduling_policy
+        if isinstance(policy, SchedulingPolicy) or (isinstance(policy, str) and policy in POLICIES):
+            return
+        hint = " (pass an instance, not the class)" if isinstance(policy, type) else ""
+        raise ValueError(f"scheduling_policy must be one of {', '.join(repr(p) for p in POLICIES)} "
+                         f"or a SchedulingPolicy instance{hint}, got {policy!r}")
+
+    def _check_backend(self) -> None:
+        from minipd.kernels.backend import BACKENDS
+
+        # Whether the backend can run on the chosen device is checked later, once the device is known.
+        if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernel_backend must be None or one of {', '.join(repr(b) for b in BACKENDS)}, "
+                             f"got {self.kernel_backend!r}")
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:

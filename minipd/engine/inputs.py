@@ -6,28 +6,53 @@ request runs, so a bad call leaves the engine as it was.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
-from minipd.sampling_params import SamplingParams
+from minipd.sampling_params import SamplingParams, check_seed, is_integer
 
 PromptInput = str | Sequence[int]
 
 
 def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    """One string, one list of token ids, or a list of either, as a list of prompts."""
+    """One string, one list of token ids, or a list of either, as a list of prompts.
+
+    Token ids may be Python or NumPy integers (returned as plain ints); bools are refused, and so
+    are ``bytes``, which Python would otherwise read as a list of small integers.
+    """
     if isinstance(prompts, str):
         return [prompts]
-    if not isinstance(prompts, Sequence):
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
-                         f"got {type(prompts).__name__}")
+                         f"got {_kind(prompts)}")
     if len(prompts) == 0:
         raise ValueError("prompts must not be empty: pass at least one prompt")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [list(prompts)]  # a single prompt given as token ids
+    if all(isinstance(p, numbers.Integral) for p in prompts):
+        return [_token_ids(0, prompts)]  # a single prompt given as token ids
+    out: list[PromptInput] = []
     for i, p in enumerate(prompts):
-        if not isinstance(p, str) and not (isinstance(p, Sequence) and all(isinstance(t, int) for t in p)):
-            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
-    return list(prompts)
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (bytes, bytearray)) or not isinstance(p, Sequence):
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {_kind(p)}")
+        else:
+            out.append(_token_ids(i, p))
+    return out
+
+
+def _token_ids(index: int, ids: Sequence) -> list[int]:
+    """``ids`` as plain ints; a bool or non-integer is a ``ValueError`` naming ``prompts[index]``."""
+    bad = next((t for t in ids if not is_integer(t)), None)
+    if bad is not None:
+        raise ValueError(f"prompts[{index}] has token id {bad!r} ({type(bad).__name__}); token ids must be integers")
+    return [int(t) for t in ids]
+
+
+def _kind(value: object) -> str:
+    """The type of a rejected prompt, with a hint for bytes (the usual slip is forgetting ``.decode()``)."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"{type(value).__name__} (decode it to a str, or pass a list of token ids)"
+    return type(value).__name__
 
 
 def normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -36,6 +61,9 @@ def normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, c
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, Sequence) or isinstance(params, str):
+        raise ValueError("sampling_params must be None, a SamplingParams, or a list of them (one per prompt); "
+                         f"got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries but there are {count} prompts; "
@@ -56,3 +84,17 @@ def check_prompt_ids(index: int, token_ids: Sequence[int], vocab_size: int, max_
     if len(token_ids) >= max_model_len:
         raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens; the model's context is "
                          f"{max_model_len}, so prompts may have at most {max_model_len - 1}")
+
+
+def check_llm_args(max_model_len: object, seed: object) -> tuple[int | None, int | None]:
+    """``LLM(max_model_len=..., seed=...)`` checked before the model loads, returned as plain ints.
+
+    ``max_model_len`` must be None or an integer >= 2 (a prompt token and one new token); whether it
+    fits the model's context is checked once the model's config is read. ``seed`` must be None or a
+    64-bit integer, as :class:`SamplingParams` requires. Bools are refused for both.
+    """
+    if max_model_len is not None:
+        if not is_integer(max_model_len) or max_model_len < 2:
+            raise ValueError(f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
+        max_model_len = int(max_model_len)
+    return max_model_len, check_seed("seed", seed)

@@ -8,23 +8,25 @@ from pathlib import Path
 import torch
 
 from minipd.config import ModelConfig
-from minipd.device import default_device, default_dtype
+from minipd.device import resolve_device, resolve_dtype
 from minipd.models.decoder import DecoderModel
 from minipd.models.registry import resolve_model
 from minipd.models.weights import load_weights
 
 
 def load_model(model: str | os.PathLike, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None) -> tuple[DecoderModel, Path]:
+               dtype: torch.dtype | str | None = None) -> tuple[DecoderModel, Path]:
     """Load ``model`` (bundled name, folder or hub id) for inference; returns the model and its folder.
 
+    ``device`` and ``dtype`` are checked first (see :func:`~minipd.device.resolve_device` and
+    :func:`~minipd.device.resolve_dtype`), so a missing GPU is a ``ValueError`` before any file is read.
     Parameters are created on the meta device and materialised once, on ``device`` in ``dtype``,
     so a large model is never initialised randomly first.
     """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     folder = resolve_model(model)
     config = ModelConfig.from_pretrained(folder)
-    device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(device)
     with torch.device("meta"):
         net = DecoderModel(config)
     net = net.to_empty(device=device).to(dtype)

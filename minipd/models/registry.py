@@ -23,7 +23,8 @@ def bundled_models_dir() -> Path:
 def resolve_model(model: str | os.PathLike) -> Path:
     """A local folder holding the model: bundled name, existing folder, or hub id (downloaded).
 
-    Raises ValueError naming the bundled models when ``model`` is none of these.
+    Raises ValueError naming ``model`` (and the bundled models) when it is none of these, or a file
+    rather than a folder; FileNotFoundError when a bundled model's files are missing.
     """
     name = str(model)
     if name in BUNDLED_MODELS:
@@ -35,6 +36,8 @@ def resolve_model(model: str | os.PathLike) -> Path:
             )
         return path
     path = Path(name).expanduser()
+    if path.is_file():  # e.g. the model.safetensors or config.json itself
+        raise ValueError(f"model {name!r} is a file; pass the folder that holds config.json and the weights")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"model folder {path} has no config.json (expected an HF-format model folder)")
