@@ -20,8 +20,10 @@ from minipd.engine.core import CPU_KV_MEMORY, EngineCore
 from minipd.engine.inputs import PromptInput, check_prompt_ids
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutputs, Request
+from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
-from minipd.kv.paged_pool import PackedKV
+from minipd.kv.block_manager import BlockManager
+from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.models.decoder import DecoderModel
 from minipd.outputs import StreamDelta
 from minipd.sampling_params import SamplingParams
@@ -57,17 +59,17 @@ class Engine:
         return self.core.dtype
 
     @property
-    def scheduler(self):
+    def scheduler(self) -> Scheduler:
         """The core's scheduler."""
         return self.core.scheduler
 
     @property
-    def block_manager(self):
+    def block_manager(self) -> BlockManager:
         """The core's block manager."""
         return self.core.block_manager
 
     @property
-    def pool(self):
+    def pool(self) -> PagedKVPool:
         """The core's paged KV pool."""
         return self.core.pool
 

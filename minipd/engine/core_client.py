@@ -1,0 +1,272 @@
+"""Running an :class:`~minipd.engine.core.EngineCore` behind queues: in a thread, or in another process.
+
+The core loop owns the core: it takes messages (add, abort, release KV, shut down), steps while
+there is work, and sends each step's :class:`~minipd.engine.request.EngineCoreOutputs` back. A
+client submits from any thread and reads outputs. This is the shape a server, a prefill or decode
+worker and an expert-parallel rank use: the model runs in its own loop, requests arrive whenever.
+
+- :meth:`CoreClient.in_thread` runs the loop in a background thread over ``queue.Queue``.
+- :meth:`CoreClient.in_process` spawns a process that loads the model and builds its own core;
+  messages are pickled over ZeroMQ push/pull sockets on local IPC paths. If the process dies, the
+  client says so (:class:`EngineDeadError`) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from minipd.engine.core import EngineCore
+from minipd.engine.request import EngineCoreOutputs, Request
+from minipd.kv.paged_pool import PackedKV
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core's thread or process is gone; requests sent to it will not finish."""
+
+
+@dataclass
+class CoreError:
+    """A message from the core loop: something it was asked failed (the loop keeps running)."""
+
+    request_id: str | None
+    message: str
+
+
+# Messages to the core loop, as tuples: ("add", Request, PackedKV | None), ("abort", [ids]),
+# ("release_kv", id), ("shutdown",).
+
+
+def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
+    """Apply one message to ``core``; return False on shutdown. Errors go back as :class:`CoreError`."""
+    kind = message[0]
+    try:
+        if kind == "add":
+            core.add_request(message[1], message[2])
+        elif kind == "abort":
+            outputs = core.abort_requests(message[1])
+            if outputs:
+                send(EngineCoreOutputs(outputs, time.perf_counter()))
+        elif kind == "release_kv":
+            core.release_kv(message[1])
+        elif kind == "shutdown":
+            return False
+        else:
+            send(CoreError(None, f"unknown message {kind!r}"))
+    except Exception as err:  # a bad request must not take the loop (and every other request) down
+        request_id = message[1].request_id if kind == "add" else None
+        send(CoreError(request_id, f"{type(err).__name__}: {err}"))
+    return True
+
+
+def run_core_loop(core: EngineCore, receive: Any, send: Any) -> None:
+    """Serve messages and step until shutdown. ``receive(timeout)`` returns a message or None (None: wait)."""
+    while True:
+        # Block while idle; when busy, only take what has already arrived, then step.
+        message = receive(None if not core.has_unfinished_requests() else 0.0)
+        while message is not None:
+            if not handle_message(core, message, send):
+                return
+            message = receive(0.0)
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            if outputs.outputs:
+                send(outputs)
+
+
+class CoreClient:
+    """Submit to an engine core running elsewhere and read its outputs; safe to call from several threads."""
+
+    def __init__(self, send: Any, receive: Any, is_alive: Any, stop: Any) -> None:
+        self._send, self._receive, self._is_alive, self._stop = send, receive, is_alive, stop
+        self._lock = threading.Lock()
+        self.closed = False
+
+    # ------------------------------------------------------------------------------ factories
+    @classmethod
+    def in_thread(cls, core: EngineCore) -> CoreClient:
+        """Run ``core``'s loop in a daemon thread of this process."""
+        inbox: queue.Queue = queue.Queue()
+        outbox: queue.Queue = queue.Queue()
+
+        def receive(timeout: float | None) -> Any:
+            try:
+                return inbox.get(timeout=timeout) if timeout != 0.0 else inbox.get_nowait()
+            except queue.Empty:
+                return None
+
+        def loop() -> None:
+            try:
+                run_core_loop(core, receive, outbox.put)
+            except BaseException as err:  # report, then let the client see the thread is gone
+                outbox.put(CoreError(None, f"engine core died: {type(err).__name__}: {err}"))
+
+        thread = threading.Thread(target=loop, name="minipd-engine-core", daemon=True)
+        thread.start()
+
+        def get(timeout: float | None) -> Any:
+            try:
+                return outbox.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+        return cls(inbox.put, get, thread.is_alive, lambda: thread.join(timeout=10))
+
+    @classmethod
+    def in_process(cls, model: str | os.PathLike, start_timeout: float = 120.0, **llm_options: Any) -> CoreClient:
+        """Spawn a process that loads ``model`` (as :class:`~minipd.llm.LLM` would, with ``llm_options``)
+        and serves its core. Waits until it is ready, up to ``start_timeout`` seconds."""
+        import zmq
+
+        folder = tempfile.mkdtemp(prefix="minipd-core-")
+        to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
+        context = zmq.Context.instance()
+        push = context.socket(zmq.PUSH)
+        push.bind(to_core)
+        pull = context.socket(zmq.PULL)
+        pull.bind(from_core)
+        process = mp.get_context("spawn").Process(target=_serve_in_process, args=(str(model), llm_options, to_core,
+                                                                                   from_core), daemon=True)
+        process.start()
+
+        def send(message: Any) -> None:
+            push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+        def receive(timeout: float | None) -> Any:
+            if pull.poll(None if timeout is None else int(timeout * 1000)):
+                return pickle.loads(pull.recv())
+            return None
+
+        def stop() -> None:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+            push.close(linger=0)
+            pull.close(linger=0)
+            for name in ("in", "out"):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except FileNotFoundError:
+                    pass
+            os.rmdir(folder)
+
+        client = cls(send, receive, process.is_alive, stop)
+        client.process = process
+        client.info = client._wait_ready(start_timeout)
+        return client
+
+    def _wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = self._receive(0.2)
+            if isinstance(message, dict) and message.get("ready"):
+                return message
+            if isinstance(message, CoreError):
+                self.shutdown()
+                raise EngineDeadError(message.message)
+            if not self._is_alive():
+                self.shutdown()
+                raise EngineDeadError("the engine core process exited while starting")
+        self.shutdown()
+        raise TimeoutError(f"the engine core process was not ready after {timeout:.0f} s")
+
+    # ------------------------------------------------------------------------------- requests
+    def add_request(self, request: Request, kv: PackedKV | None = None) -> None:
+        """Queue ``request`` in the core (a refusal comes back as a :class:`CoreError` output)."""
+        self._submit(("add", request, kv))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests; each live one comes back once more with finish reason ``"abort"``."""
+        self._submit(("abort", list(request_ids)))
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the blocks a finished ``hold_kv`` request kept."""
+        self._submit(("release_kv", request_id))
+
+    def _submit(self, message: tuple) -> None:
+        if self.closed:
+            raise EngineDeadError("the engine core client is shut down")
+        if not self._is_alive():
+            raise EngineDeadError("the engine core is not running")
+        with self._lock:  # ZeroMQ sockets are not thread-safe; queue.Queue does not mind
+            self._send(message)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | CoreError:
+        """The next step's outputs (or an error report); waits up to ``timeout`` seconds.
+
+        Raises :class:`EngineDeadError` when the core is gone, ``TimeoutError`` when nothing came in time.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            with self._lock:
+                message = self._receive(wait)
+            if message is not None:
+                return message
+            if not self._is_alive():
+                raise EngineDeadError("the engine core stopped before answering")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no output from the engine core within {timeout} s")
+
+    def shutdown(self) -> None:
+        """Stop the core loop and wait for it (killing a process that does not stop in 10 s)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._is_alive():
+            try:
+                with self._lock:
+                    self._send(("shutdown",))
+            except Exception:  # already going away
+                pass
+        self._stop()
+
+    def __enter__(self) -> CoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: str) -> None:
+    """Entry point of the spawned core process: load the model, build the core, serve until shutdown."""
+    import zmq
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.connect(to_core)
+    push = context.socket(zmq.PUSH)
+    push.connect(from_core)
+
+    def send(message: Any) -> None:
+        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(timeout: float | None) -> Any:
+        if pull.poll(None if timeout is None else int(timeout * 1000)):
+            return pickle.loads(pull.recv())
+        return None
+
+    try:
+        from minipd.llm import LLM
+
+        llm = LLM(model, **llm_options)
+        core = llm.engine.core
+        send({"ready": True, "pid": os.getpid(), "kv_spec": core.kv_spec.to_dict(),
+              "num_kv_blocks": core.block_manager.num_blocks, "max_model_len": core.max_model_len,
+              "eos_token_ids": sorted(llm.engine.eos_token_ids)})
+        run_core_loop(core, receive, send)
+    except BaseException as err:  # tell the client, then exit
+        send(CoreError(None, f"engine core process failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        context.term()

@@ -1,0 +1,134 @@
+"""The engine core behind queues: in a thread and in a second process, with the same outputs as in-process;
+and what a client sees when the core process is killed or does not answer in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from minipd import LLM, SamplingParams
+from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError
+from minipd.engine.output_processor import OutputProcessor
+from minipd.engine.request import Request
+from minipd.tokenizer import Tokenizer
+
+PROMPTS = ["def fib(n):", "import ", "class Stack:", "for i in range(10):", "    return "]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-py", seed=0)
+
+
+def requests_for(llm: LLM, params: list[SamplingParams]) -> list[Request]:
+    """Core requests for PROMPTS, made by the in-process front end (ids, seeds and token ids fixed)."""
+    return [llm.engine.make_request(p, sp, index=i, request_id=f"r{i}").request
+            for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))]
+
+
+def params_list() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_k=20, max_tokens=16, seed=11, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=8, stop="\n")]
+
+
+def collect(client: CoreClient, requests: list[Request], processor: OutputProcessor,
+            timeout: float = 60.0) -> dict[str, tuple[list[int], str | None]]:
+    """Submit, then read outputs through a front-end processor until every request finished."""
+    states = {}
+    for r in requests:
+        state = processor.new_state(r.request_id, None, r.prompt_token_ids, r.params, time.perf_counter())
+        processor.add(state)
+        states[r.request_id] = state
+        client.add_request(r)
+    deadline = time.monotonic() + timeout
+    while not all(s.finished for s in states.values()):
+        message = client.get_output(timeout=max(0.1, deadline - time.monotonic()))
+        assert not isinstance(message, CoreError), message.message
+        _, to_abort = processor.process(message)
+        if to_abort:
+            client.abort_requests(to_abort)
+    return {rid: (s.token_ids, s.text) for rid, s in states.items()}
+
+
+def in_process_reference(llm: LLM) -> dict[str, tuple[list[int], str | None]]:
+    outs = llm.generate(PROMPTS, params_list())
+    return {f"r{i}": (o.token_ids, o.text) for i, o in enumerate(outs)}
+
+
+def test_core_in_a_thread_gives_the_in_process_outputs(llm):
+    expected = in_process_reference(llm)
+    other = LLM("tiny-py")
+    with CoreClient.in_thread(other.engine.core) as client:
+        got = collect(client, requests_for(llm, params_list()), OutputProcessor(other.tokenizer))
+    assert got == expected
+    assert not other.engine.has_unfinished_requests()
+
+
+def test_thread_safe_submission_from_several_threads(llm):
+    expected = in_process_reference(llm)
+    other = LLM("tiny-py")
+    requests = requests_for(llm, params_list())
+    processor = OutputProcessor(other.tokenizer)
+    states = [processor.new_state(r.request_id, None, r.prompt_token_ids, r.params, 0.0) for r in requests]
+    for state in states:
+        processor.add(state)
+    with CoreClient.in_thread(other.engine.core) as client:
+        threads = [threading.Thread(target=client.add_request, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        deadline = time.monotonic() + 60
+        while not all(s.finished for s in states):
+            _, to_abort = processor.process(client.get_output(timeout=max(0.1, deadline - time.monotonic())))
+            if to_abort:
+                client.abort_requests(to_abort)
+    # Arrival order differs from run to run, but each request's tokens do not depend on its neighbours.
+    assert {s.request_id: (s.token_ids, s.text) for s in states} == expected
+
+
+def test_a_refused_request_comes_back_as_an_error_and_the_core_keeps_serving(llm):
+    other = LLM("tiny-py")
+    with CoreClient.in_thread(other.engine.core) as client:
+        bad = requests_for(llm, params_list())[0]
+        bad.num_external_tokens = bad.num_tokens  # nothing left to compute: refused
+        client.add_request(bad)
+        error = client.get_output(timeout=10)
+        assert isinstance(error, CoreError) and error.request_id == "r0" and "num_external_tokens" in error.message
+        good = requests_for(llm, params_list())
+        got = collect(client, good[2:3], OutputProcessor(other.tokenizer))
+    assert got["r2"] == in_process_reference(llm)["r2"]
+
+
+def test_core_in_a_second_process_gives_the_in_process_outputs_then_dies_loudly(llm):
+    expected = in_process_reference(llm)
+    client = CoreClient.in_process("tiny-py", start_timeout=120)
+    try:
+        assert client.info["kv_spec"] == llm.engine.core.kv_spec.to_dict()
+        assert client.process.pid != os.getpid()
+        got = collect(client, requests_for(llm, params_list()), OutputProcessor(Tokenizer(llm.model_path)))
+        assert got == expected
+        # Nothing pending: waiting for output hits the timeout rather than hanging.
+        with pytest.raises(TimeoutError):
+            client.get_output(timeout=0.5)
+        # A killed worker: the client says so instead of waiting forever.
+        long = requests_for(llm, [SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)] * 5)
+        for r in long:
+            client.add_request(r)
+        os.kill(client.process.pid, signal.SIGKILL)
+        client.process.join(timeout=10)
+        with pytest.raises(EngineDeadError):
+            for _ in range(10_000):
+                client.get_output(timeout=5)
+        with pytest.raises(EngineDeadError):
+            client.add_request(long[0])
+    finally:
+        client.shutdown()
+        assert not client.process.is_alive()
