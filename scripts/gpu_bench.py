@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # minipd from this checkout, even without PYTHONPATH
 
 from minipd.config import ModelConfig, RopeConfig
+from minipd.kernels.backend import KernelBackend
 
 #: H200 SXM datasheet HBM3e bandwidth, bytes per second.
 PEAK_BYTES_PER_S = 4.8e12
@@ -61,34 +62,17 @@ class Row:
         return self.bytes_moved / (self.ms * 1e-3) / PEAK_BYTES_PER_S
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """The four kernels of one backend, with the torch references' signatures."""
+def torch_kernels() -> KernelBackend:
+    from minipd.kernels.backend import TORCH_BACKEND
 
-    name: str
-    store_kv: Callable[..., None]
-    decode: Callable[..., torch.Tensor]
-    prefill: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    return TORCH_BACKEND
 
 
-def torch_kernels() -> Kernels:
-    from minipd.kernels.kv_store import store_kv_torch
-    from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
-    from minipd.kernels.rms_norm import add_rms_norm_torch
-
-    return Kernels("torch", store_kv_torch, paged_decode_attention_torch, paged_prefill_attention_torch,
-                   add_rms_norm_torch)
-
-
-def triton_kernels() -> Kernels:
+def triton_kernels() -> KernelBackend:
     # Imported only here, so a --dry-run never needs triton.
-    from minipd.kernels.triton_kv_store import store_kv_triton
-    from minipd.kernels.triton_paged_attention import paged_decode_attention_triton, paged_prefill_attention_triton
-    from minipd.kernels.triton_rms_norm import add_rms_norm_triton
+    from minipd.kernels.backend import get_backend
 
-    return Kernels("triton", store_kv_triton, paged_decode_attention_triton, paged_prefill_attention_triton,
-                   add_rms_norm_triton)
+    return get_backend("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class Timer:
@@ -170,7 +154,7 @@ TINY = Shapes(4, 2, 32, 64, 16, store_tokens=(4, 64), decode=((1, 40), (4, 33)),
 # --- kernel benchmarks ---------------------------------------------------------------------------
 
 
-def bench_kernels(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype, device: torch.device,
+def bench_kernels(backends: list[KernelBackend], shapes: Shapes, dtype: torch.dtype, device: torch.device,
                   timer: Timer) -> list[Row]:
     """Every kernel on every size in ``shapes`` with every backend."""
     e = torch.empty((), dtype=dtype).element_size()
@@ -193,7 +177,7 @@ def bench_kernels(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype, d
         q = torch.randn(batch, hq, d, dtype=dtype, device=device)
         moved = 2 * sum(lens) * hkv * d * e + 2 * batch * hq * d * e + tables.numel() * 4 + batch * 4
         for kern in backends:
-            ms = timer(partial(kern.decode, q, k_cache, v_cache, tables, ctx, d**-0.5))
+            ms = timer(partial(kern.paged_decode_attention, q, k_cache, v_cache, tables, ctx, d**-0.5))
             add(rows, Row("decode_attention", f"B={batch} ctx={context}", kern.name, ms, moved))
 
     for batch, new, context in shapes.prefill:
@@ -206,7 +190,7 @@ def bench_kernels(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype, d
         pairs = batch * sum(context - new + i + 1 for i in range(new))
         flops = 4 * pairs * hq * d
         for kern in backends:
-            ms = timer(partial(kern.prefill, q, k_cache, v_cache, tables, starts, ctx, d**-0.5))
+            ms = timer(partial(kern.paged_prefill_attention, q, k_cache, v_cache, tables, starts, ctx, d**-0.5))
             add(rows, Row("prefill_attention", f"B={batch} new={new} ctx={context}", kern.name, ms, moved, flops))
 
     for tokens in shapes.norm_tokens:
@@ -220,7 +204,8 @@ def bench_kernels(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype, d
     return rows
 
 
-def check_agreement(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype, device: torch.device) -> list[str]:
+def check_agreement(backends: list[KernelBackend], shapes: Shapes, dtype: torch.dtype,
+                    device: torch.device) -> list[str]:
     """Max |triton - torch| of decode and prefill attention on one mid-size input, as a sanity line."""
     if len(backends) < 2:
         return []
@@ -229,12 +214,13 @@ def check_agreement(backends: list[Kernels], shapes: Shapes, dtype: torch.dtype,
     lens = [1, 17, 300, 1000]
     k_cache, v_cache, tables, ctx = paged_pool(lens, hkv, d, bs, dtype, device)
     q = torch.randn(len(lens), hq, d, dtype=dtype, device=device)
-    diff_d = (other.decode(q, k_cache, v_cache, tables, ctx, d**-0.5).float()
-              - ref.decode(q, k_cache, v_cache, tables, ctx, d**-0.5).float()).abs().max().item()
+    diff_d = (other.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5).float()
+              - ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5).float()).abs().max().item()
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     qp = torch.randn(sum(lens), hq, d, dtype=dtype, device=device)
-    diff_p = (other.prefill(qp, k_cache, v_cache, tables, starts, ctx, d**-0.5).float()
-              - ref.prefill(qp, k_cache, v_cache, tables, starts, ctx, d**-0.5).float()).abs().max().item()
+    prefill_args = (qp, k_cache, v_cache, tables, starts, ctx, d**-0.5)
+    diff_p = (other.paged_prefill_attention(*prefill_args).float()
+              - ref.paged_prefill_attention(*prefill_args).float()).abs().max().item()
     return [f"{other.name} vs {ref.name}, lengths {lens}, {dtype}: decode max |diff| {diff_d:.2e}, "
             f"prefill max |diff| {diff_p:.2e}"]
 
@@ -272,7 +258,9 @@ def bench_model_step(backend_names: list[str], tiny: bool, dtype: torch.dtype, d
     from minipd.kernels.backend import get_backend
     from minipd.kv.paged_cache import PagedAttentionMetadata, PagedKVCache
     from minipd.kv.paged_pool import PagedKVPool
+    from minipd.kv.spec import KVSpec
     from minipd.models.decoder import DecoderModel
+    from minipd.models.forward_context import ForwardContext
 
     config = qwen3_06b_config(tiny)
     with torch.device(device):
@@ -291,7 +279,7 @@ def bench_model_step(backend_names: list[str], tiny: bool, dtype: torch.dtype, d
     notes: list[str] = []
     for batch in (1, 4) if tiny else (1, 64):
         per_seq = -(-context // block_size)
-        pool = PagedKVPool(config, batch * per_seq, block_size, dtype, device)
+        pool = PagedKVPool(KVSpec.for_model(config, block_size, dtype), batch * per_seq, device)
         pool.k.normal_()
         pool.v.normal_()
         tables = torch.randperm(batch * per_seq, device=device).to(torch.int32).view(batch, per_seq)
@@ -303,15 +291,15 @@ def bench_model_step(backend_names: list[str], tiny: bool, dtype: torch.dtype, d
             decode_context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
             prefill_block_tables=empty_i32.view(0, 0), prefill_query_start_loc=torch.zeros(1, dtype=torch.int32,
                                                                                            device=device),
-            prefill_context_lens=empty_i32)
+            prefill_context_lens=empty_i32, decode_context_lens_host=[context] * batch,
+            prefill_query_start_host=[0], prefill_context_lens_host=[])
         ids = torch.randint(0, config.vocab_size, (batch,), device=device)
         positions = torch.full((batch,), pos, dtype=torch.long, device=device)
         kv_bytes = config.kv_bytes_per_token(e) * batch * context
         logits: dict[str, torch.Tensor] = {}
         for name in backend_names:
             kernels = get_backend(name, device)
-            model.set_kernels(kernels)
-            cache = PagedKVCache(pool, metadata, kernels)
+            cache = ForwardContext(PagedKVCache(pool, metadata, kernels), kernels)
 
             step = partial(decode_step, model, ids, positions, cache)
             logits[name] = step()
