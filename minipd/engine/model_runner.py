@@ -68,6 +68,8 @@ class ModelRunner:
         buf = self.buffers.np
         ids, pos, slots = buf["input_ids"], buf["positions"], buf["slot_mapping"]
         tables, lens, starts = buf["block_tables"], buf["context_lens"], buf["query_start"]
+        # A kernel choice, not the definition of a decode (that is Request.is_decode): any one-query row is
+        # the last token of its context, which is exactly what the decode kernel computes.
         decodes = [(r, n) for r, n in batch.entries if n == 1]
         prefills = [(r, n) for r, n in batch.entries if n > 1]
         to_sample: list[Request] = []
