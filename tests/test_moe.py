@@ -13,7 +13,7 @@ from helpers import make_hf_model
 from safetensors.torch import save_file
 
 from minipd.layers.mlp import SwiGLU
-from minipd.layers.moe import MoE, route
+from minipd.layers.moe import MoE
 from minipd.models import load_model
 from minipd.moe import (
     LocalDispatcher,
@@ -59,10 +59,6 @@ def test_softmax_router_matches_hf_mixtral():
     assert torch.equal(ids, hf_ids)
     torch.testing.assert_close(weights, hf_weights)
     torch.testing.assert_close(weights.sum(-1), torch.ones(64))
-    # The old functional entry point still routes the same way.
-    legacy_weights, legacy_ids = route(x @ hf.weight.data.T, TOP_K)
-    assert torch.equal(legacy_ids, ids)
-    torch.testing.assert_close(legacy_weights, weights)
 
 
 def test_softmax_router_without_renormalisation_matches_hf_qwen2_moe():

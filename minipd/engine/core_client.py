@@ -87,7 +87,9 @@ class CoreClient:
 
     def __init__(self, send: Any, receive: Any, is_alive: Any, stop: Any) -> None:
         self._send, self._receive, self._is_alive, self._stop = send, receive, is_alive, stop
-        self._lock = threading.Lock()
+        # One lock per direction: a reader waiting for output never holds up a writer.
+        self._send_lock = threading.Lock()
+        self._receive_lock = threading.Lock()
         self.closed = False
 
     # ------------------------------------------------------------------------------ factories
@@ -137,13 +139,7 @@ class CoreClient:
                                                                                    from_core), daemon=True)
         process.start()
 
-        def send(message: Any) -> None:
-            push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-        def receive(timeout: float | None) -> Any:
-            if pull.poll(None if timeout is None else int(timeout * 1000)):
-                return pickle.loads(pull.recv())
-            return None
+        send, receive = _pickled(push, pull)
 
         def stop() -> None:
             process.join(timeout=10)
@@ -197,7 +193,7 @@ class CoreClient:
             raise EngineDeadError("the engine core client is shut down")
         if not self._is_alive():
             raise EngineDeadError("the engine core is not running")
-        with self._lock:  # ZeroMQ sockets are not thread-safe; queue.Queue does not mind
+        with self._send_lock:  # ZeroMQ sockets are not thread-safe; queue.Queue does not mind
             self._send(message)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | CoreError:
@@ -208,7 +204,7 @@ class CoreClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            with self._lock:
+            with self._receive_lock:
                 message = self._receive(wait)
             if message is not None:
                 return message
@@ -224,7 +220,7 @@ class CoreClient:
         self.closed = True
         if self._is_alive():
             try:
-                with self._lock:
+                with self._send_lock:
                     self._send(("shutdown",))
             except Exception:  # already going away
                 pass
@@ -237,6 +233,20 @@ class CoreClient:
         self.shutdown()
 
 
+def _pickled(push: Any, pull: Any) -> tuple[Any, Any]:
+    """``send(message)`` and ``receive(timeout) -> message | None`` over a ZeroMQ push/pull pair."""
+
+    def send(message: Any) -> None:
+        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(timeout: float | None) -> Any:
+        if pull.poll(None if timeout is None else int(timeout * 1000)):
+            return pickle.loads(pull.recv())
+        return None
+
+    return send, receive
+
+
 def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: str) -> None:
     """Entry point of the spawned core process: load the model, build the core, serve until shutdown."""
     import zmq
@@ -247,14 +257,7 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
     push = context.socket(zmq.PUSH)
     push.connect(from_core)
 
-    def send(message: Any) -> None:
-        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def receive(timeout: float | None) -> Any:
-        if pull.poll(None if timeout is None else int(timeout * 1000)):
-            return pickle.loads(pull.recv())
-        return None
-
+    send, receive = _pickled(push, pull)
     try:
         from minipd.llm import LLM
 

@@ -125,14 +125,15 @@ class BlockManager:
         """Block ids holding the longest committed prefix of ``token_ids`` (whole blocks only).
 
         At least one token is always left to compute, since the last position's logits are needed
-        to sample the next token. ``hashes`` may pass the sequence's block hashes already computed.
+        to sample the next token. ``hashes`` may pass the sequence's block hashes already computed (a
+        list is extended in place).
         """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
         if hashes is None or len(hashes) < usable:
-            hashes = block_hashes(token_ids[:usable * bs], bs)
+            hashes = block_hashes(token_ids[:usable * bs], bs, hashes if isinstance(hashes, list) else None)
         found: list[int] = []
         parent: BlockIdentity | None = None
         for index in range(usable):
@@ -227,7 +228,7 @@ class BlockManager:
         bs = self.block_size
         end = num_computed // bs
         if hashes is None or len(hashes) < end:
-            hashes = block_hashes(token_ids[:end * bs], bs)
+            hashes = block_hashes(token_ids[:end * bs], bs, hashes if isinstance(hashes, list) else None)
         for index in range(len(alloc.block_hashes), end):
             block_hash = hashes[index]
             alloc.block_hashes.append(block_hash)

@@ -14,12 +14,7 @@ from torch import nn
 
 from minipd.moe.dispatch import Dispatcher, LocalDispatcher
 from minipd.moe.experts import Implementation, StackedExperts
-from minipd.moe.router import Router, SigmoidGroupedRouter, SoftmaxRouter, softmax_topk
-
-
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral routing: the ``top_k`` experts by softmax probability, weights renormalised to sum to 1."""
-    return softmax_topk(router_logits, top_k, renormalize=True)
+from minipd.moe.router import Router, SigmoidGroupedRouter, SoftmaxRouter
 
 
 class MoE(nn.Module):
