@@ -13,7 +13,7 @@ import pytest
 from minipd import LLM, SamplingParams
 from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError
 from minipd.engine.output_processor import OutputProcessor
-from minipd.engine.request import Request
+from minipd.engine.request import FinishReason, Request
 from minipd.tokenizer import Tokenizer
 
 PROMPTS = ["def fib(n):", "import ", "class Stack:", "for i in range(10):", "    return "]
@@ -53,7 +53,7 @@ def collect(client: CoreClient, requests: list[Request], processor: OutputProces
         assert not isinstance(message, CoreError), message.message
         _, to_abort = processor.process(message)
         if to_abort:
-            client.abort_requests(to_abort)
+            client.abort_requests(to_abort, FinishReason.STOP)
     return {rid: (s.token_ids, s.text) for rid, s in states.items()}
 
 
@@ -89,7 +89,7 @@ def test_thread_safe_submission_from_several_threads(llm):
         while not all(s.finished for s in states):
             _, to_abort = processor.process(client.get_output(timeout=max(0.1, deadline - time.monotonic())))
             if to_abort:
-                client.abort_requests(to_abort)
+                client.abort_requests(to_abort, FinishReason.STOP)
     # Arrival order differs from run to run, but each request's tokens do not depend on its neighbours.
     assert {s.request_id: (s.token_ids, s.text) for s in states} == expected
 

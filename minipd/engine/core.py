@@ -128,8 +128,13 @@ class EngineCore:
             self._imports[request.request_id] = kv
         self.scheduler.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        """Stop requests now and free their blocks; one final ``"abort"`` output for each that was live."""
+    def abort_requests(self, request_ids: Iterable[str],
+                       reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:
+        """Stop requests now; one final output for each that was live.
+
+        Their blocks are freed, except that a ``hold_kv`` request ended for another ``reason`` than
+        an abort (the front end found a stop string) keeps them, as if it had ended here.
+        """
         outputs = []
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
@@ -139,8 +144,10 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED_HOLDING_KV:
                 self.scheduler.release_kv(request_id)
                 continue
-            request.finish(FinishReason.ABORT)
+            request.finish(reason)
             self.scheduler.finish(request)
+            if request.status is RequestStatus.FINISHED_HOLDING_KV:
+                self.requests[request_id] = request  # still live: its K/V may be exported until released
             outputs.append(self._output(request, []))
         return outputs
 
@@ -203,7 +210,12 @@ class EngineCore:
         """Run one scheduling step; report every request that got a token or finished."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        self._apply_imports(batch)
+        if self._apply_imports(batch) and not batch:
+            batch = self.scheduler.schedule()  # the K/V just imported let those requests compute now
+        if self._imports and batch:
+            # K/V handed over for a prefix the local cache already had are not needed: let them go.
+            for request, _ in batch.entries:
+                self._imports.pop(request.request_id, None)
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running and not self.scheduler.waiting_for_kv:
                 # Requests are checked to fit the pool on arrival, so this is a bug, not a load condition.
@@ -243,12 +255,16 @@ class EngineCore:
             step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
         return EngineCoreOutputs(outputs, now)
 
-    def _apply_imports(self, batch: ScheduledBatch) -> None:
+    def _apply_imports(self, batch: ScheduledBatch) -> bool:
+        """Write the K/V given with requests whose blocks were just allocated; True if any arrived."""
+        arrived = False
         for request in batch.kv_loads:
             kv = self._imports.pop(request.request_id, None)
             if kv is not None:
                 self.pool.import_blocks(request.blocks.block_table[:kv.num_blocks], kv)
                 self.scheduler.kv_arrived(request.request_id)
+                arrived = True
+        return arrived
 
     def _record(self, stats: StepStats) -> None:
         self.num_steps += 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minipd.engine.core import EngineCore
-from minipd.engine.request import EngineCoreOutputs, Request
+from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.kv.paged_pool import PackedKV
 
 
@@ -41,7 +41,7 @@ class CoreError:
     message: str
 
 
-# Messages to the core loop, as tuples: ("add", Request, PackedKV | None), ("abort", [ids]),
+# Messages to the core loop, as tuples: ("add", Request, PackedKV | None), ("abort", [ids], FinishReason),
 # ("release_kv", id), ("shutdown",).
 
 
@@ -52,7 +52,7 @@ def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
         if kind == "add":
             core.add_request(message[1], message[2])
         elif kind == "abort":
-            outputs = core.abort_requests(message[1])
+            outputs = core.abort_requests(message[1], *message[2:])
             if outputs:
                 send(EngineCoreOutputs(outputs, time.perf_counter()))
         elif kind == "release_kv":
@@ -180,9 +180,12 @@ class CoreClient:
         """Queue ``request`` in the core (a refusal comes back as a :class:`CoreError` output)."""
         self._submit(("add", request, kv))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort requests; each live one comes back once more with finish reason ``"abort"``."""
-        self._submit(("abort", list(request_ids)))
+    def abort_requests(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """End requests now; each live one comes back once more with finish reason ``reason``.
+
+        Pass ``FinishReason.STOP`` when the front end found a stop string (a ``hold_kv`` request then keeps its K/V).
+        """
+        self._submit(("abort", list(request_ids), reason))
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept."""

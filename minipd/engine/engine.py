@@ -19,7 +19,7 @@ from minipd.engine.config import EngineConfig
 from minipd.engine.core import CPU_KV_MEMORY, EngineCore
 from minipd.engine.inputs import PromptInput, check_prompt_ids
 from minipd.engine.output_processor import OutputProcessor, RequestState
-from minipd.engine.request import EngineCoreOutputs, Request
+from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kv.block_manager import BlockManager
@@ -171,6 +171,6 @@ class Engine:
 
     def _deliver(self, outputs: EngineCoreOutputs) -> list[StreamDelta]:
         deltas, to_abort = self.processor.process(outputs)
-        if to_abort:  # a stop string ended these in the front end: the core must let go of them too
-            self.core.abort_requests(to_abort)
+        if to_abort:  # a stop string ended these in the front end: the core must end them too
+            self.core.abort_requests(to_abort, FinishReason.STOP)
         return deltas

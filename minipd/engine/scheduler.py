@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minipd.engine.request import Request, RequestStatus
+from minipd.engine.request import FinishReason, Request, RequestStatus
 from minipd.kv.block_manager import BlockManager, block_hashes
 
 
@@ -33,6 +33,8 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     #: Requests whose blocks were allocated this step for K/V that will arrive from elsewhere.
     kv_loads: list[Request] = field(default_factory=list)
+    #: Prefix-cache lookups counted this step, (request, tokens queried, tokens hit): undone by a rollback.
+    lookups: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +176,7 @@ class Scheduler:
                 break  # no room: wait for running requests to finish rather than preempt for a newcomer
             if cached is not None:
                 bm.record_lookup(request.num_tokens, num_cached)
+                batch.lookups.append((request, request.num_tokens, num_cached))
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             request.num_cached_tokens += len(cached or ()) * bm.block_size
@@ -229,9 +232,15 @@ class Scheduler:
     def rollback(self, batch: ScheduledBatch) -> None:
         """The step raised: put its requests back to waiting, in order, holding nothing written this step.
 
-        Their committed blocks stay registered, so readmission recomputes only what the step lost.
+        Their committed blocks stay registered, so readmission recomputes only what the step lost;
+        the prefix-cache lookups the step counted are taken back, since readmission counts them again.
         """
         self._completing.clear()
+        stats = self.block_manager.stats
+        for request, queried, hit in batch.lookups:
+            stats.queried_tokens -= queried
+            stats.hit_tokens -= hit
+            request.num_cached_tokens -= hit
         for request, _ in reversed(batch.entries):
             if request in self.running:
                 self.running.remove(request)
@@ -257,7 +266,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.waiting_for_kv.pop(request.request_id, None)
-        if request.hold_kv and request.blocks.block_table and request.finish_reason != "abort":
+        if request.hold_kv and request.blocks.block_table and request.finish_reason is not FinishReason.ABORT:
             request.status = RequestStatus.FINISHED_HOLDING_KV
             self.holding_kv[request.request_id] = request
             return
