@@ -43,6 +43,19 @@ class InputBuffers:
         # numpy views of the same memory: filling them from Python lists is much cheaper than torch indexing.
         self.np = {name: getattr(self, name).numpy() for name in
                    ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
+        # Recorded after a step's copies are queued: the next step may refill the buffers only once the
+        # GPU has read them (a step that samples nothing returns without any other synchronisation).
+        self._copied = torch.cuda.Event() if pin else None
+
+    def wait_until_free(self) -> None:
+        """Block until the previous step's asynchronous copies out of these buffers are done."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def mark_copied(self) -> None:
+        """Note that this step's copies are queued (see :meth:`wait_until_free`)."""
+        if self._copied is not None:
+            self._copied.record()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A slice of a host buffer on the model's device (the slice itself on CPU: no copy)."""
@@ -65,6 +78,7 @@ class ModelRunner:
                                                       list[Request], list[int]]:
         """Flat token ids, positions and attention metadata; the requests to sample and their rows."""
         bs = self.pool.block_size
+        self.buffers.wait_until_free()
         buf = self.buffers.np
         ids, pos, slots = buf["input_ids"], buf["positions"], buf["slot_mapping"]
         tables, lens, starts = buf["block_tables"], buf["context_lens"], buf["query_start"]
@@ -129,7 +143,9 @@ class ModelRunner:
             prefill_query_start_host=query_start,
             prefill_context_lens_host=prefill_lens,
         )
-        return dev(b.input_ids[:offset]), dev(b.positions[:offset]), metadata, to_sample, rows
+        input_ids, positions = dev(b.input_ids[:offset]), dev(b.positions[:offset])
+        b.mark_copied()
+        return input_ids, positions, metadata, to_sample, rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
