@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
 from minipd.engine.inputs import PromptInput, check_llm_args, normalize_params, normalize_prompts
 from minipd.models.loading import load_model
-from minipd.outputs import RequestOutput, StreamDelta
+from minipd.outputs import RequestOutput, RequestStream, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
@@ -120,11 +121,12 @@ class LLM:
                         self.engine.abort(state.request_id)
         return [s.to_output() for s in states]
 
-    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield one :class:`StreamDelta` per generated token of ``prompt``, as soon as it is produced.
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """Queue ``prompt`` now and return its :class:`RequestStream`: one :class:`StreamDelta` per token.
 
-        Other requests in the engine keep running alongside; closing the iterator early aborts
-        this request and frees its blocks, and :meth:`abort` of its id ends it with an ``"abort"`` delta.
+        Bad input raises here, before anything is queued; ``stream.request_id`` can be passed to
+        :meth:`abort`, which ends the stream with an ``"abort"`` delta. Other requests in the engine
+        keep running alongside; closing the stream early aborts this request and frees its blocks.
         """
         prompts = normalize_prompts(prompt)
         if len(prompts) != 1:
@@ -134,22 +136,26 @@ class LLM:
             state = self.engine.make_request(prompts[0], params)
             self.engine.add(state)
             outbox = self.engine.watch(state.request_id)
-        try:
-            while True:
-                with self._lock:
-                    # Another stream's step may already have produced our next token; step only when none is queued.
-                    if not outbox:
-                        self.engine.step()
-                    deltas = list(outbox)
-                    outbox.clear()
-                for delta in deltas:
-                    yield delta
-                    if delta.finished:
-                        return
-        finally:
+
+        def end() -> None:
             with self._lock:
                 if not state.finished:
                     self.engine.abort(state.request_id)
+
+        return RequestStream(state.request_id, self._follow(outbox), end)
+
+    def _follow(self, outbox: deque[StreamDelta]) -> Iterator[StreamDelta]:
+        while True:
+            with self._lock:
+                # Another stream's step may already have produced our next token; step only when none is queued.
+                if not outbox:
+                    self.engine.step()
+                deltas = list(outbox)
+                outbox.clear()
+            for delta in deltas:
+                yield delta
+                if delta.finished:
+                    return
 
     def abort(self, request_id: str) -> bool:
         """Abort a request running in this LLM's engine; its KV blocks are freed at once.

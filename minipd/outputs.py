@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -101,3 +101,36 @@ class StreamDelta:
     def output(self) -> RequestOutput:
         """The whole request so far (built on access, so streaming stays cheap); final once finished."""
         return self._snapshot()
+
+
+class RequestStream(Iterator[StreamDelta]):
+    """The deltas of one streamed request, in order; ``request_id`` names it (for abort) from the start.
+
+    The request is already queued when the stream is made. Closing the stream (or dropping it)
+    before its last delta aborts the request and frees its blocks.
+    """
+
+    def __init__(self, request_id: str, deltas: Generator[StreamDelta, None, None],
+                 on_close: Callable[[], object]) -> None:
+        self.request_id = request_id
+        self._deltas = deltas
+        self._on_close: Callable[[], object] | None = on_close
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> StreamDelta:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        """Stop following the request; abort it if it is still running."""
+        self._deltas.close()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass

@@ -95,3 +95,28 @@ def test_prefix_caching_off_finds_nothing():
 def test_invalid_sizes():
     with pytest.raises(ValueError, match="block"):
         BlockManager(num_blocks=0, block_size=16)
+
+
+def test_a_second_copy_of_a_prefix_does_not_hide_the_rest_of_the_first():
+    # Two sequences computed the same tokens into their own blocks (prefill-first with chunked prefill can
+    # do this): A committed its first three blocks, then B all five, then A the rest. A lookup walks the
+    # chain from the first block, so only A's blocks can be found: B's later blocks must not be registered
+    # in A's place, or the prefix would be cut at the fourth block for every later request.
+    bm = BlockManager(num_blocks=12, block_size=2)
+    tokens = list(range(1, 11))
+    a, b = BlockAllocation(), BlockAllocation()
+    assert bm.allocate(a, 10) and bm.allocate(b, 10)
+    bm.register_full_blocks(a, tokens, 6)
+    bm.register_full_blocks(b, tokens, 10)
+    bm.register_full_blocks(a, tokens, 10)
+    assert bm.find_cached_prefix([*tokens, 0]) == a.block_table
+
+
+def test_only_full_blocks_can_be_dropped():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    alloc = BlockAllocation()
+    assert bm.allocate(alloc, 10)  # two full blocks and one with two tokens
+    with pytest.raises(ValueError, match="full blocks"):
+        bm.drop_blocks(alloc, [2], 10)
+    bm.drop_blocks(alloc, [0], 10)
+    assert alloc.num_dropped_tokens == 4 and len(alloc.block_table) == 2

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from minipd import LLM, SamplingParams
-from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError
+from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError, ExportedKV
 from minipd.engine.output_processor import OutputProcessor
 from minipd.engine.request import FinishReason, Request
 from minipd.tokenizer import Tokenizer
@@ -132,3 +132,39 @@ def test_core_in_a_second_process_gives_the_in_process_outputs_then_dies_loudly(
     finally:
         client.shutdown()
         assert not client.process.is_alive()
+
+
+def test_kv_moves_through_the_client_and_a_waiting_request_does_not_spin(llm):
+    sender, receiver = LLM("tiny-py"), LLM("tiny-py")
+    calls = []
+    step = receiver.engine.core.step
+    receiver.engine.core.step = lambda: calls.append(1) or step()  # counts the loop's steps, empty ones too
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    (expected,) = llm.generate([PROMPTS[0]], params)
+    with CoreClient.in_thread(sender.engine.core) as a, CoreClient.in_thread(receiver.engine.core) as b:
+        # The sender prefills and keeps the K/V; the client asks for them.
+        held = sender.engine.make_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1), request_id="p",
+                                          hold_kv=True).request
+        a.add_request(held)
+        assert a.get_output(timeout=30).outputs[0].finished
+        a.export_kv("p")
+        exported = a.get_output(timeout=30)
+        assert isinstance(exported, ExportedKV) and exported.kv.num_tokens == held.num_prompt_tokens
+        a.release_kv("p")
+        # The receiver waits for them without burning a core, then continues from the first token.
+        first = held.output_token_ids[0]
+        rest = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+        waiting = receiver.engine.make_request([*held.prompt_token_ids, first], rest, request_id="d",
+                                               num_external_tokens=held.num_prompt_tokens).request
+        b.add_request(waiting)
+        time.sleep(0.5)
+        assert 0 < len(calls) < 100  # about one empty step per 10 ms, not a busy loop
+        b.import_kv("d", exported.kv)
+        tokens: list[int] = []
+        finished = False
+        while not finished:
+            message = b.get_output(timeout=30)
+            tokens += [t for out in message.outputs for t in out.new_token_ids]
+            finished = any(out.finished for out in message.outputs)
+    assert [first, *tokens] == expected.token_ids
+    assert sender.engine.block_manager.num_used_blocks == 0 == receiver.engine.block_manager.num_used_blocks

@@ -645,14 +645,16 @@ def test_drop_blocks_releases_blocks_from_the_middle():
     table = list(alloc.block_table)
     bm.register_full_blocks(alloc, list(range(1, 13)), 12)
     pinned = bm.pin([table[2]])  # the last block is shared with a reader
-    bm.drop_blocks(alloc, [1])
+    bm.drop_blocks(alloc, [1], 12)
     assert alloc.block_table == [table[0], table[2]]
     assert bm.blocks[table[1]].ref_count == 0 and table[1] in bm.free and bm.num_free_blocks == 6
-    assert (alloc.num_dropped_tokens, len(alloc.block_hashes)) == (4, 1)
+    assert (alloc.num_dropped_tokens, len(alloc.committed_hashes)) == (4, 1)
     assert bm.blocks_needed(alloc, 16) == 1  # 16 tokens less the 4 dropped need three blocks
     with pytest.raises(ValueError, match="block indices"):
-        bm.drop_blocks(alloc, [2])
-    bm.drop_blocks(alloc, [1])  # a shared block: dropping lets go of this sequence's reference only
+        bm.drop_blocks(alloc, [2], 12)
+    with pytest.raises(ValueError, match="the full blocks"):
+        bm.drop_blocks(alloc, [1], 11)  # the last block is only partly filled: the next token goes there
+    bm.drop_blocks(alloc, [1], 12)  # a shared block: dropping lets go of this sequence's reference only
     assert alloc.block_table == [table[0]] and alloc.num_dropped_tokens == 8
     assert bm.blocks[table[2]].ref_count == 1 and table[2] not in bm.free
     bm.free_blocks(alloc)
@@ -687,7 +689,7 @@ def test_decode_after_a_dropped_block_writes_the_right_slot(monkeypatch, llm, co
     table = list(request.blocks.block_table)
     assert request.num_computed_tokens == 26 and len(table) == 4
     cached = dict(engine.block_manager.cached)
-    engine.block_manager.drop_blocks(request.blocks, [1])
+    engine.block_manager.drop_blocks(request.blocks, [1], request.num_computed_tokens)
     assert request.blocks.block_table == [table[0], table[2], table[3]]
     assert engine.block_manager.blocks[table[1]].ref_count == 0 and request.blocks.num_dropped_tokens == bs
     slot = table[3] * bs + 2  # position 26 -> cache index 18 -> third block of the new table, offset 2
@@ -714,7 +716,7 @@ def test_prefill_chunk_after_a_dropped_block_keeps_true_positions(monkeypatch, l
     engine.step()  # tokens 0..15: two full blocks
     request = state.request
     kept = request.blocks.block_table[1]
-    engine.block_manager.drop_blocks(request.blocks, [0])
+    engine.block_manager.drop_blocks(request.blocks, [0], request.num_computed_tokens)
     seen = capture_prepare(monkeypatch, engine)
     engine.step()  # tokens 16..31 go to cache indices 8..23
     (step,) = seen
@@ -725,3 +727,55 @@ def test_prefill_chunk_after_a_dropped_block_keeps_true_positions(monkeypatch, l
     assert step["prefill_lens"] == [32 - bs] and step["decode_lens"] == []
     engine.abort(state.request_id)
     assert_pool_is_whole(engine)
+
+
+# ------------------------------------------------------------------------------ blocks held elsewhere
+def test_blocks_held_for_a_receiver_make_newcomers_wait_not_fail(llm, code_ids):
+    """A full pool because a finished request holds its K/V is a wait, not an error; release lets work go on."""
+    engine = fresh_engine(llm, num_kv_blocks=8, block_size=8)
+    holder = engine.make_request(code_ids[:40], greedy(1), hold_kv=True)  # 5 blocks kept after finishing
+    engine.add(holder)
+    step_until_finished(engine, [holder])
+    (expected,) = llm.generate([code_ids[50:80]], greedy(4))
+    newcomer = engine.make_request(code_ids[50:80], greedy(4))  # needs 4 blocks; 3 are free
+    engine.add(newcomer)
+    for _ in range(3):
+        assert engine.step() == []
+    assert newcomer.request.status is RequestStatus.WAITING
+    assert engine.release_kv(holder.request_id)
+    step_until_finished(engine, [newcomer])
+    assert newcomer.token_ids == expected.token_ids
+    assert_pool_is_whole(engine)
+
+
+def test_a_request_whose_kv_arrived_is_not_stuck_behind_one_that_cannot_fit(llm, code_ids, handoff):
+    prompt, packed, first, reference = handoff(37)
+    engine = fresh_engine(llm, num_kv_blocks=7, block_size=16)
+    big = engine.make_request(code_ids[:64], greedy(40))  # 4 full blocks after its prefill, then a 5th
+    engine.add(big)
+    arriving = engine.make_request([*prompt, first], greedy(23), num_external_tokens=37)
+    engine.add(arriving, kv=packed)
+    engine.step()  # big prefills; arriving's 3 blocks are allocated and filled: the pool is full
+    assert engine.block_manager.num_free_blocks == 0
+    engine.step()  # big needs a 5th block: it is preempted and goes back to the head of the queue
+    assert [r.request_id for r in engine.scheduler.waiting] == [big.request_id, arriving.request_id]
+    # big cannot fit while arriving holds its blocks, and nothing runs: arriving must go first.
+    step_until_finished(engine, [arriving, big], max_steps=300)
+    assert [first, *arriving.token_ids] == reference
+    assert big.token_ids == llm.generate([code_ids[:64]], greedy(40))[0].token_ids
+    assert_pool_is_whole(engine)
+
+
+# ------------------------------------------------------------------------------------- eager streams
+def test_a_stream_checks_and_queues_its_request_at_once(llm, code_ids):
+    with pytest.raises(ValueError, match="got bytes"):
+        llm.stream(b"def f():")
+    stream = llm.stream(code_ids[:10], greedy(8))
+    assert stream.request_id in llm.engine.processor.states  # queued before the first next()
+    first = next(stream)
+    assert first.request_id == stream.request_id
+    del stream, first  # dropped half-way: the request is aborted and its blocks freed
+    assert_pool_is_whole(llm.engine)
+    unstarted = llm.stream(code_ids[:10], greedy(8))
+    unstarted.close()
+    assert_pool_is_whole(llm.engine)

@@ -14,6 +14,7 @@ requests go back to waiting and nothing it half-wrote is ever registered for pre
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -30,6 +31,8 @@ from minipd.kv.block_manager import BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.kv.spec import KV_DTYPES, KVSpec
 from minipd.models.decoder import DecoderModel
+
+logger = logging.getLogger("minipd")
 
 #: Default KV budget on CPU: room for ~85k tokens of tiny-py, and quick to allocate.
 CPU_KV_MEMORY = 256 << 20
@@ -116,6 +119,9 @@ class EngineCore:
                              f"{request.num_tokens} tokens (the last token is computed to sample the next), "
                              f"got {request.num_external_tokens}")
         if kv is not None:
+            if kv.num_blocks != -(-kv.num_tokens // self.config.block_size):
+                raise ValueError(f"the KV given has {kv.num_blocks} blocks for {kv.num_tokens} tokens of "
+                                 f"block_size {self.config.block_size}")
             if kv.num_tokens != request.num_external_tokens:
                 raise ValueError(f"the KV given holds {kv.num_tokens} tokens but num_external_tokens is "
                                  f"{request.num_external_tokens}")
@@ -217,9 +223,13 @@ class EngineCore:
             for request, _ in batch.entries:
                 self._imports.pop(request.request_id, None)
         if not batch:
-            if self.scheduler.waiting and not self.scheduler.running and not self.scheduler.waiting_for_kv:
-                # Requests are checked to fit the pool on arrival, so this is a bug, not a load condition.
+            sched = self.scheduler
+            if (sched.waiting and not sched.running and not sched.waiting_for_kv
+                    and self.block_manager.num_used_blocks == 0):
+                # Requests are checked to fit the pool on arrival and nothing holds a block, so this is a bug.
                 raise RuntimeError("the scheduler could not schedule any of the waiting requests")
+            # Otherwise blocks are held outside the running set (K/V kept for a receiver, pinned, or
+            # arriving): the waiting requests go on once those are released.
             return EngineCoreOutputs([], start)
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
         try:
@@ -253,7 +263,7 @@ class EngineCore:
             kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_free=self.block_manager.num_free_blocks,
             prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
             step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
-        return EngineCoreOutputs(outputs, now)
+        return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
     def _apply_imports(self, batch: ScheduledBatch) -> bool:
         """Write the K/V given with requests whose blocks were just allocated; True if any arrived."""
@@ -270,7 +280,10 @@ class EngineCore:
         self.num_steps += 1
         self.step_stats.append(stats)
         for callback in self.step_callbacks:
-            callback(stats)
+            try:
+                callback(stats)
+            except Exception:  # an observer's bug must not lose the step's tokens
+                logger.exception("step callback %r failed; the step's outputs are kept", callback)
 
     @staticmethod
     def _output(request: Request, new_tokens: list[int]) -> EngineCoreOutput:

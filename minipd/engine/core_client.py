@@ -13,6 +13,7 @@ worker and an expert-parallel rank use: the model runs in its own loop, requests
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -41,8 +42,21 @@ class CoreError:
     message: str
 
 
+@dataclass
+class ExportedKV:
+    """The core loop's answer to an ``export_kv`` message."""
+
+    request_id: str
+    kv: PackedKV
+
+
 # Messages to the core loop, as tuples: ("add", Request, PackedKV | None), ("abort", [ids], FinishReason),
+# ("import_kv", id, PackedKV), ("finish_kv_load", id), ("export_kv", id, num_tokens | None),
 # ("release_kv", id), ("shutdown",).
+
+#: How long an otherwise busy loop waits for a message when a step could run nothing (e.g. every
+#: request waits for K/V from elsewhere), instead of spinning.
+STALLED_WAIT = 0.01
 
 
 def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
@@ -55,6 +69,12 @@ def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
             outputs = core.abort_requests(message[1], *message[2:])
             if outputs:
                 send(EngineCoreOutputs(outputs, time.perf_counter()))
+        elif kind == "import_kv":
+            core.import_kv(message[1], message[2])
+        elif kind == "finish_kv_load":
+            core.finish_kv_load(message[1])
+        elif kind == "export_kv":
+            send(ExportedKV(message[1], core.export_kv(message[1], message[2])))
         elif kind == "release_kv":
             core.release_kv(message[1])
         elif kind == "shutdown":
@@ -62,22 +82,31 @@ def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
         else:
             send(CoreError(None, f"unknown message {kind!r}"))
     except Exception as err:  # a bad request must not take the loop (and every other request) down
-        request_id = message[1].request_id if kind == "add" else None
+        request_id = None
+        if kind != "shutdown" and len(message) > 1:
+            request_id = message[1].request_id if kind == "add" else message[1] if isinstance(message[1], str) \
+                else None
         send(CoreError(request_id, f"{type(err).__name__}: {err}"))
     return True
 
 
 def run_core_loop(core: EngineCore, receive: Any, send: Any) -> None:
     """Serve messages and step until shutdown. ``receive(timeout)`` returns a message or None (None: wait)."""
+    stalled = False
     while True:
         # Block while idle; when busy, only take what has already arrived, then step.
-        message = receive(None if not core.has_unfinished_requests() else 0.0)
+        if not core.has_unfinished_requests():
+            wait: float | None = None
+        else:
+            wait = STALLED_WAIT if stalled else 0.0
+        message = receive(wait)
         while message is not None:
             if not handle_message(core, message, send):
                 return
             message = receive(0.0)
         if core.has_unfinished_requests():
             outputs = core.step()
+            stalled = outputs.num_scheduled_tokens == 0
             if outputs.outputs:
                 send(outputs)
 
@@ -139,7 +168,7 @@ class CoreClient:
                                                                                    from_core), daemon=True)
         process.start()
 
-        send, receive = _pickled(push, pull)
+        send, receive = _pickled(push, pull, process.is_alive)
 
         def stop() -> None:
             process.join(timeout=10)
@@ -191,6 +220,18 @@ class CoreClient:
         """Free the blocks a finished ``hold_kv`` request kept."""
         self._submit(("release_kv", request_id))
 
+    def import_kv(self, request_id: str, kv: PackedKV) -> None:
+        """Hand over the K/V a request added with ``num_external_tokens`` waits for."""
+        self._submit(("import_kv", request_id, kv))
+
+    def finish_kv_load(self, request_id: str) -> None:
+        """Say that a transport wrote the request's K/V into its blocks directly."""
+        self._submit(("finish_kv_load", request_id))
+
+    def export_kv(self, request_id: str, num_tokens: int | None = None) -> None:
+        """Ask for a request's K/V: an :class:`ExportedKV` comes back among the outputs."""
+        self._submit(("export_kv", request_id, num_tokens))
+
     def _submit(self, message: tuple) -> None:
         if self.closed:
             raise EngineDeadError("the engine core client is shut down")
@@ -199,7 +240,7 @@ class CoreClient:
         with self._send_lock:  # ZeroMQ sockets are not thread-safe; queue.Queue does not mind
             self._send(message)
 
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | CoreError:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | CoreError | ExportedKV:
         """The next step's outputs (or an error report); waits up to ``timeout`` seconds.
 
         Raises :class:`EngineDeadError` when the core is gone, ``TimeoutError`` when nothing came in time.
@@ -236,11 +277,24 @@ class CoreClient:
         self.shutdown()
 
 
-def _pickled(push: Any, pull: Any) -> tuple[Any, Any]:
-    """``send(message)`` and ``receive(timeout) -> message | None`` over a ZeroMQ push/pull pair."""
+def _pickled(push: Any, pull: Any, peer_alive: Any) -> tuple[Any, Any]:
+    """``send(message)`` and ``receive(timeout) -> message | None`` over a ZeroMQ push/pull pair.
+
+    A push socket with no peer blocks a send for ever, so sends do not block: while the peer is
+    alive they are retried; once it is gone they raise :class:`EngineDeadError`.
+    """
+    import zmq
 
     def send(message: Any) -> None:
-        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        while True:
+            try:
+                push.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not peer_alive():
+                    raise EngineDeadError("the other end of the engine core's queue is gone") from None
+                time.sleep(0.001)
 
     def receive(timeout: float | None) -> Any:
         if pull.poll(None if timeout is None else int(timeout * 1000)):
@@ -260,7 +314,22 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
     push = context.socket(zmq.PUSH)
     push.connect(from_core)
 
-    send, receive = _pickled(push, pull)
+    parent = os.getppid()
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent  # re-parented (to init) once the parent is gone
+
+    send, wait_for = _pickled(push, pull, parent_alive)
+
+    def receive(timeout: float | None) -> Any:
+        # Never wait blind: a parent killed without a goodbye must not leave this process (and its GPU) behind.
+        while True:
+            message = wait_for(1.0 if timeout is None else timeout)
+            if message is not None or timeout is not None:
+                return message
+            if not parent_alive():
+                raise SystemExit(0)
+
     try:
         from minipd.llm import LLM
 
@@ -270,8 +339,12 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
               "num_kv_blocks": core.block_manager.num_blocks, "max_model_len": core.max_model_len,
               "eos_token_ids": sorted(llm.engine.eos_token_ids)})
         run_core_loop(core, receive, send)
+    except (SystemExit, EngineDeadError):
+        pass  # the parent is gone: nobody to tell
     except BaseException as err:  # tell the client, then exit
-        send(CoreError(None, f"engine core process failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        with contextlib.suppress(EngineDeadError):
+            send(CoreError(None, f"engine core process failed: {type(err).__name__}: {err}\n"
+                                 f"{traceback.format_exc()}"))
     finally:
         push.close(linger=1000)
         pull.close(linger=0)

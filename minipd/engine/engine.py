@@ -145,9 +145,9 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; its stream ends with an ``"abort"`` delta.
 
-        Returns False if it is unknown or already finished.
+        A finished ``hold_kv`` request's blocks are released. Returns False if there was nothing to stop or free.
         """
-        live = request_id in self.processor.states
+        live = request_id in self.processor.states or request_id in self.core.requests
         self._deliver(EngineCoreOutputs(self.core.abort_requests([request_id]), time.perf_counter()))
         return live
 

@@ -37,7 +37,8 @@ class InputBuffers:
         self.input_ids = host(max_tokens)
         self.positions = host(max_tokens)
         self.slot_mapping = host(max_tokens)
-        self.block_tables = host(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        # Flat, so each step's (rows, width) table is one contiguous slice: a pinned, asynchronous copy.
+        self.block_tables = host(max_seqs * max_blocks_per_seq, dtype=torch.int32)
         self.context_lens = host(max_seqs, dtype=torch.int32)
         self.query_start = host(max_seqs + 1, dtype=torch.int32)
         # numpy views of the same memory: filling them from Python lists is much cheaper than torch indexing.
@@ -86,10 +87,16 @@ class ModelRunner:
         # the last token of its context, which is exactly what the decode kernel computes.
         decodes = [(r, n) for r, n in batch.entries if n == 1]
         prefills = [(r, n) for r, n in batch.entries if n > 1]
+        num_decode, num_prefill = len(decodes), len(prefills)
+        decode_width = max((len(r.blocks.block_table) for r, _ in decodes), default=0)
+        prefill_width = max((len(r.blocks.block_table) for r, _ in prefills), default=0)
+        decode_end = num_decode * decode_width
+        decode_tables = tables[:decode_end].reshape(num_decode, decode_width)
+        prefill_tables = tables[decode_end:decode_end + num_prefill * prefill_width].reshape(num_prefill,
+                                                                                           prefill_width)
         to_sample: list[Request] = []
         rows: list[int] = []
         decode_lens: list[int] = []
-        decode_width = 0
         for i, (r, _) in enumerate(decodes):
             p = r.num_computed_tokens
             # A token's cache index is its position less the tokens evicted before it.
@@ -98,18 +105,15 @@ class ModelRunner:
             ids[i] = r.all_token_ids[p]
             pos[i] = p
             slots[i] = table[c // bs] * bs + c % bs
-            tables[i, :len(table)] = table
-            decode_width = max(decode_width, len(table))
+            decode_tables[i, :len(table)] = table
             decode_lens.append(c + 1)
             if p + 1 == r.num_tokens:
                 to_sample.append(r)
                 rows.append(i)
-        num_decode = len(decodes)
         lens[:num_decode] = decode_lens
         offset = num_decode
         query_start = [0]
         prefill_lens: list[int] = []
-        prefill_width = 0
         for j, (r, n) in enumerate(prefills):
             p = r.num_computed_tokens
             c = p - r.blocks.num_dropped_tokens
@@ -118,15 +122,13 @@ class ModelRunner:
             pos[offset:offset + n] = np.arange(p, p + n)
             cache_index = np.arange(c, c + n)
             slots[offset:offset + n] = np.asarray(table)[cache_index // bs] * bs + cache_index % bs
-            tables[num_decode + j, :len(table)] = table
-            prefill_width = max(prefill_width, len(table))
+            prefill_tables[j, :len(table)] = table
             offset += n
             query_start.append(query_start[-1] + n)
             prefill_lens.append(c + n)
             if p + n == r.num_tokens:
                 to_sample.append(r)
                 rows.append(offset - 1)
-        num_prefill = len(prefills)
         lens[num_decode:num_decode + num_prefill] = prefill_lens
         starts[:num_prefill + 1] = query_start
         b = self.buffers
@@ -134,9 +136,10 @@ class ModelRunner:
         metadata = PagedAttentionMetadata(
             num_decode_tokens=num_decode,
             slot_mapping=dev(b.slot_mapping[:offset]),
-            decode_block_tables=dev(b.block_tables[:num_decode, :decode_width]),
+            decode_block_tables=dev(b.block_tables[:decode_end].view(num_decode, decode_width)),
             decode_context_lens=dev(b.context_lens[:num_decode]),
-            prefill_block_tables=dev(b.block_tables[num_decode:num_decode + num_prefill, :prefill_width]),
+            prefill_block_tables=dev(b.block_tables[decode_end:decode_end + num_prefill * prefill_width]
+                                     .view(num_prefill, prefill_width)),
             prefill_query_start_loc=dev(b.query_start[:num_prefill + 1]),
             prefill_context_lens=dev(b.context_lens[num_decode:num_decode + num_prefill]),
             decode_context_lens_host=decode_lens,

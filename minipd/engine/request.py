@@ -154,3 +154,5 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     timestamp: float = 0.0
+    #: Tokens the step computed (0: nothing could run, e.g. every request waits for K/V from elsewhere).
+    num_scheduled_tokens: int = 0

@@ -173,6 +173,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if not bm.allocate(request.blocks, num_cached + num_new, cached or ()):
+                if self._resume_holder_first():
+                    continue
                 break  # no room: wait for running requests to finish rather than preempt for a newcomer
             if cached is not None:
                 bm.record_lookup(request.num_tokens, num_cached)
@@ -185,6 +187,19 @@ class Scheduler:
             self._schedule(batch, request, num_new)
             budget -= num_new
         return budget
+
+    def _resume_holder_first(self) -> bool:
+        """Move a waiting request that already holds blocks (its K/V arrived) to the front; False if none.
+
+        It needs fewer new blocks than the head, and until it runs its blocks help no one: leaving it
+        behind a head that cannot fit could leave the pool full with nothing running.
+        """
+        for index, request in enumerate(self.waiting):
+            if index and request.blocks.block_table:
+                del self.waiting[index]
+                self.waiting.appendleft(request)
+                return True
+        return False
 
     def _cached_prefix(self, request: Request) -> list[int] | None:
         """Blocks of the request's committed cached prefix; None when the next block is being computed now."""

@@ -86,8 +86,9 @@ class BlockAllocation:
     """What the block manager holds for one sequence."""
 
     block_table: list[int] = field(default_factory=list)
-    #: Hashes of the sequence's leading full blocks that are committed and registered.
-    block_hashes: list[bytes] = field(default_factory=list)
+    #: Hashes of the sequence's leading full blocks whose K/V are committed (whether or not this
+    #: sequence's copy is the one registered for reuse).
+    committed_hashes: list[bytes] = field(default_factory=list)
     #: Tokens whose blocks were dropped from the middle of the table (token eviction). Token
     #: ``i``'s K/V then sit at cache index ``i - num_dropped_tokens`` rather than at its position.
     num_dropped_tokens: int = 0
@@ -179,7 +180,7 @@ class BlockManager:
                 del self.free[block_id]
             block.ref_count += 1
             alloc.block_table.append(block_id)
-            alloc.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
+            alloc.committed_hashes.append(block.block_hash)  # type: ignore[arg-type]
         for _ in range(needed):
             alloc.block_table.append(self._take_free_block())
         return True
@@ -229,29 +230,31 @@ class BlockManager:
         end = num_computed // bs
         if hashes is None or len(hashes) < end:
             hashes = block_hashes(token_ids[:end * bs], bs, hashes if isinstance(hashes, list) else None)
-        for index in range(len(alloc.block_hashes), end):
+        for index in range(len(alloc.committed_hashes), end):
             block_hash = hashes[index]
-            alloc.block_hashes.append(block_hash)
+            alloc.committed_hashes.append(block_hash)
             block = self.blocks[alloc.block_table[index]]
-            if block_hash not in self.cached and block.block_hash is None:
-                parent = self.blocks[alloc.block_table[index - 1]].identity if index else None
+            parent = self.blocks[alloc.block_table[index - 1]] if index else None
+            # Only a chain of registered blocks can be found (a lookup walks it from the first block): if
+            # this sequence computed its own copy of an earlier block, its later blocks stay unregistered.
+            reachable = parent is None or (parent.block_hash is not None
+                                           and self.cached.get(parent.block_hash) == parent.block_id)
+            if reachable and block_hash not in self.cached and block.block_hash is None:
                 self.cached[block_hash] = block.block_id
                 block.block_hash, block.token_ids = block_hash, tuple(token_ids[index * bs:(index + 1) * bs])
-                block.parent = parent
+                block.parent = None if parent is None else parent.identity
 
     # --------------------------------------------------------------------------------- free
-    def free_blocks(self, alloc: BlockAllocation, num_computed: int | None = None) -> None:
+    def free_blocks(self, alloc: BlockAllocation) -> None:
         """Drop the sequence's hold on its blocks; unshared ones return to the free list.
 
-        ``num_computed`` is accepted for symmetry with older callers: blocks are registered only
-        once committed, so a block past what was computed holds no hash to forget.
+        Blocks keep their registered contents (they were committed), so a later request can still hit them.
         """
-        del num_computed
         # Last blocks first, so a sequence's tail is evicted before its (more shareable) head.
         for index in range(len(alloc.block_table) - 1, -1, -1):
             self._release(alloc.block_table[index])
         alloc.block_table.clear()
-        alloc.block_hashes.clear()
+        alloc.committed_hashes.clear()
         alloc.num_dropped_tokens = 0
 
     def _release(self, block_id: int) -> None:
@@ -262,16 +265,18 @@ class BlockManager:
             if block.block_hash is None:
                 self.free.move_to_end(block_id, last=False)
 
-    def drop_blocks(self, alloc: BlockAllocation, indices: Sequence[int]) -> None:
-        """Remove the blocks at table ``indices`` from the middle of a sequence (token eviction).
+    def drop_blocks(self, alloc: BlockAllocation, indices: Sequence[int], num_computed: int) -> None:
+        """Remove the full blocks at table ``indices`` from a sequence with ``num_computed`` tokens of K/V.
 
-        The sequence keeps its positions (RoPE still sees the true ones) but its later tokens' K/V
-        move up in the cache; it stops registering blocks for prefix reuse from then on.
+        For token eviction: the sequence keeps its positions (RoPE still sees the true ones) but its
+        later tokens' K/V move up in the cache; it stops registering blocks for prefix reuse from
+        then on. Only full blocks may go: the partly filled last one is where the next token is written.
         """
         drop = sorted(set(indices))
-        if drop and (drop[0] < 0 or drop[-1] >= len(alloc.block_table)):
-            raise ValueError(f"block indices must be in [0, {len(alloc.block_table)}), got {list(indices)}")
+        full = (num_computed - alloc.num_dropped_tokens) // self.block_size
+        if drop and (drop[0] < 0 or drop[-1] >= full):
+            raise ValueError(f"block indices must be in [0, {full}) (the full blocks), got {list(indices)}")
         for index in reversed(drop):
             self._release(alloc.block_table.pop(index))
         alloc.num_dropped_tokens += len(drop) * self.block_size
-        del alloc.block_hashes[min(drop, default=len(alloc.block_hashes)):]
+        del alloc.committed_hashes[min(drop, default=len(alloc.committed_hashes)):]

@@ -16,6 +16,7 @@ Two ways to run them, same result:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -26,6 +27,7 @@ from torch import nn
 Implementation = Literal["auto", "grouped_mm", "loop"]
 
 
+@functools.cache  # asked by every MoE layer in every forward: answer once per setting
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -> bool:
     """Whether ``torch._grouped_mm`` runs natively (without a host sync) for these operands on ``device``.
 
