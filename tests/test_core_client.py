@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -168,3 +170,58 @@ def test_kv_moves_through_the_client_and_a_waiting_request_does_not_spin(llm):
             finished = any(out.finished for out in message.outputs)
     assert [first, *tokens] == expected.token_ids
     assert sender.engine.block_manager.num_used_blocks == 0 == receiver.engine.block_manager.num_used_blocks
+
+
+def test_a_lost_message_is_a_timeout_and_the_client_keeps_working(llm):
+    other = LLM("tiny-py")
+    with CoreClient.in_thread(other.engine.core) as client:
+        requests = requests_for(llm, params_list())
+        send = client._send
+        client._send = lambda message: None  # the next message is lost on the way
+        client.add_request(requests[2])
+        client._send = send
+        with pytest.raises(TimeoutError):
+            client.get_output(timeout=0.5)
+        got = collect(client, requests[2:3], OutputProcessor(other.tokenizer))  # sent again, it is served
+    assert got["r2"] == in_process_reference(llm)["r2"]
+
+
+def test_the_core_process_exits_when_its_parent_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import time\n"
+        "from minipd.engine.core_client import CoreClient\n"
+        "if __name__ == '__main__':  # the core process is spawned: it imports this file again\n"
+        "    client = CoreClient.in_process('tiny-py', start_timeout=120)\n"
+        "    print(client.process.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)  # no shutdown message, no clean-up: the child is on its own
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.2)
+        assert not _alive(child), "the engine core process outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        if _alive(child_pid := locals().get("child", -1)):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its new parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -154,7 +154,11 @@ class CoreClient:
     @classmethod
     def in_process(cls, model: str | os.PathLike, start_timeout: float = 120.0, **llm_options: Any) -> CoreClient:
         """Spawn a process that loads ``model`` (as :class:`~minipd.llm.LLM` would, with ``llm_options``)
-        and serves its core. Waits until it is ready, up to ``start_timeout`` seconds."""
+        and serves its core. Waits until it is ready, up to ``start_timeout`` seconds.
+
+        The process is started with ``spawn`` (safe with CUDA and threads), which imports the calling
+        script again: in a script, call this under ``if __name__ == "__main__":``.
+        """
         import zmq
 
         folder = tempfile.mkdtemp(prefix="minipd-core-")
