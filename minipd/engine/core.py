@@ -24,7 +24,7 @@ import torch
 from minipd.engine.config import EngineConfig
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
-from minipd.engine.scheduler import ScheduledBatch, Scheduler
+from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
 from minipd.kv.block_manager import BlockManager
@@ -216,8 +216,14 @@ class EngineCore:
         """Run one scheduling step; report every request that got a token or finished."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if self._apply_imports(batch) and not batch:
-            batch = self.scheduler.schedule()  # the K/V just imported let those requests compute now
+        try:
+            if self._apply_imports() and not batch:
+                # The K/V just imported let those requests compute now.
+                first, batch = batch, self.scheduler.schedule()
+                batch.preempted[:0] = first.preempted
+        except BaseException:
+            self.scheduler.rollback(batch)
+            raise
         if self._imports and batch:
             # K/V handed over for a prefix the local cache already had are not needed: let them go.
             for request, _ in batch.entries:
@@ -265,15 +271,18 @@ class EngineCore:
             step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
-    def _apply_imports(self, batch: ScheduledBatch) -> bool:
-        """Write the K/V given with requests whose blocks were just allocated; True if any arrived."""
+    def _apply_imports(self) -> bool:
+        """Write the K/V given with requests whose blocks are allocated; True if any arrived.
+
+        An import that fails (out of memory, say) stays pending and is tried again next step.
+        """
         arrived = False
-        for request in batch.kv_loads:
-            kv = self._imports.pop(request.request_id, None)
-            if kv is not None:
-                self.pool.import_blocks(request.blocks.block_table[:kv.num_blocks], kv)
-                self.scheduler.kv_arrived(request.request_id)
-                arrived = True
+        for request_id in [r for r in self._imports if r in self.scheduler.waiting_for_kv]:
+            kv = self._imports[request_id]
+            self.pool.import_blocks(self.scheduler.waiting_for_kv[request_id].blocks.block_table[:kv.num_blocks], kv)
+            del self._imports[request_id]
+            self.scheduler.kv_arrived(request_id)
+            arrived = True
         return arrived
 
     def _record(self, stats: StepStats) -> None:

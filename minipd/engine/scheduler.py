@@ -173,8 +173,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if not bm.allocate(request.blocks, num_cached + num_new, cached or ()):
-                if self._resume_holder_first():
-                    continue
+                if cached is not None and self._resume_holder_first():
+                    continue  # (a head that holds blocks itself is never swapped: two holders would alternate)
                 break  # no room: wait for running requests to finish rather than preempt for a newcomer
             if cached is not None:
                 bm.record_lookup(request.num_tokens, num_cached)
