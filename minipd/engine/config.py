@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from minipd.sampling_params import is_integer, is_real
@@ -31,6 +32,8 @@ class EngineConfig:
             ``"float16"`` or ``"bfloat16"`` — independent of the model's dtype.
         stats_history: how many recent steps' :class:`~minipd.engine.stats.StepStats` the engine
             keeps (older ones are dropped, so a long-running service does not grow).
+        snapshot_interval: save a resumable snapshot every this many steps (None: never); needs
+            ``snapshot_path``, the folder it is written to (replaced whole each time).
     """
 
     block_size: int = 16
@@ -43,6 +46,8 @@ class EngineConfig:
     kernel_backend: str | None = None
     kv_cache_dtype: str = "auto"
     stats_history: int = 10_000
+    snapshot_interval: int | None = None
+    snapshot_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -71,6 +76,13 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if not is_integer(self.stats_history) or self.stats_history < 1:
             raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
+        if self.snapshot_interval is not None:
+            if not is_integer(self.snapshot_interval) or self.snapshot_interval < 1:
+                raise ValueError(f"snapshot_interval must be None or a positive number of steps, "
+                                 f"got {self.snapshot_interval!r}")
+            if not isinstance(self.snapshot_path, (str, os.PathLike)) or not str(self.snapshot_path):
+                raise ValueError("snapshot_interval needs snapshot_path, the folder to write snapshots to, "
+                                 f"got {self.snapshot_path!r}")
 
     def _check_policy(self) -> None:
         # Imported here: the scheduler pulls in the KV block manager, which the config has no other need for.

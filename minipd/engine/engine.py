@@ -9,9 +9,11 @@ queues in a thread or another process (:mod:`minipd.engine.core_client`).
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -164,10 +166,31 @@ class Engine:
         """Free the blocks a finished ``hold_kv`` request kept."""
         return self.core.release_kv(request_id)
 
+    # ---------------------------------------------------------------------------------- snapshots
+    def save_snapshot(self, path: str | os.PathLike) -> Path:
+        """Write every unfinished request and its K/V to the folder ``path`` (see :mod:`minipd.engine.snapshot`)."""
+        from minipd.engine.snapshot import save_snapshot
+
+        return save_snapshot(self, path)
+
+    def load_snapshot(self, path: str | os.PathLike) -> list[str]:
+        """Re-admit the requests of a snapshot taken with the same model and KV format; returns their ids.
+
+        Draining the engine then gives the outputs an uninterrupted run would have given.
+        """
+        from minipd.engine.snapshot import load_snapshot
+
+        return load_snapshot(self, path)
+
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
         """Run one scheduling step; return a delta for every request that got a token or finished."""
-        return self._deliver(self.core.step())
+        before = self.core.num_steps
+        deltas = self._deliver(self.core.step())
+        interval = self.config.snapshot_interval
+        if interval and self.core.num_steps != before and self.core.num_steps % interval == 0:
+            self.save_snapshot(self.config.snapshot_path)  # type: ignore[arg-type]
+        return deltas
 
     def _deliver(self, outputs: EngineCoreOutputs) -> list[StreamDelta]:
         deltas, to_abort = self.processor.process(outputs)

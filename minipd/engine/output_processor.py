@@ -91,6 +91,13 @@ class OutputProcessor:
             state.outbox = deque()
         return state.outbox
 
+    def replay(self, state: RequestState, token_ids: list[int]) -> None:
+        """Rebuild the text of a restored request from the tokens it had produced (its metrics stay as saved)."""
+        for token_id in token_ids:
+            state.token_ids.append(token_id)
+            state.held += state.detokenizer.add(token_id)
+        self._release_text(state)
+
     def process(self, outputs: EngineCoreOutputs) -> tuple[list[StreamDelta], list[str]]:
         """Apply one step's outputs; return the deltas and the ids the core must abort (stop string hit)."""
         deltas, to_abort = [], []
