@@ -7,9 +7,10 @@
 
 from minipd.llm import LLM
 from minipd.outputs import RequestMetrics, RequestOutput, RequestStream, StreamDelta
+from minipd.pd import DisaggregatedLLM
 from minipd.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams", "StreamDelta",
-           "__version__"]
+__all__ = ["LLM", "DisaggregatedLLM", "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams",
+           "StreamDelta", "__version__"]

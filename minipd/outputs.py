@@ -26,6 +26,13 @@ class RequestMetrics:
     cached_tokens: int = 0
     #: How many times the request lost its KV blocks to a newer one and was recomputed.
     preemptions: int = 0
+    #: Disaggregated serving: KV bytes moved from the prefill to the decode worker, when the move
+    #: started and ended, and which workers served the request.
+    kv_transfer_bytes: int = 0
+    kv_transfer_start: float | None = None
+    kv_transfer_end: float | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -1,0 +1,470 @@
+"""``DisaggregatedLLM``: prefill and decode in separate worker processes, with the K/V moved between them.
+
+The front end (this process) tokenises, routes and detokenises; the workers
+(:mod:`minipd.pd.worker`) each own an engine core and a KV pool. A request's life:
+
+1. it goes to the prefill worker with the fewest requests in flight, which computes the prompt,
+   samples the first token (with the request's own seed, token index 0) and keeps the prompt's
+   blocks;
+2. unless that token ends it, it goes on to the decode worker with the most free KV blocks, as a
+   request whose prompt K/V are elsewhere: the decode worker allocates blocks, reads the prefill
+   worker's blocks into them over NIXL (``kv_transfer="pull"``), and the prefill worker frees its
+   copy as soon as the read is done;
+3. the decode worker samples every later token (token index 1 on), so the outputs are the ones a
+   single engine gives, greedy or seeded.
+
+If a worker dies, the front end notices within a poll and sends its unfinished requests elsewhere,
+recomputed from the prompt and the tokens already produced (seeded sampling depends only on the
+seed and the token index, so the continuation is the same); with no decode worker left, a prefill
+worker decodes. A read that never completes is bounded by ``kv_lease_s`` on both sides.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import pickle
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minipd.config import ModelConfig
+from minipd.engine.config import EngineConfig
+from minipd.engine.inputs import PromptInput, check_prompt_ids, normalize_params, normalize_prompts
+from minipd.engine.output_processor import OutputProcessor, RequestState
+from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
+from minipd.models.registry import resolve_model
+from minipd.outputs import RequestOutput, StreamDelta
+from minipd.pd.transport import nixl_available
+from minipd.pd.worker import run_worker
+from minipd.sampling_params import SamplingParams
+from minipd.tokenizer import Tokenizer
+
+KV_TRANSFERS = ("pull",)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed to start, or every worker of a role is gone and the request cannot go on."""
+
+
+@dataclass
+class _Worker:
+    """The front end's view of one worker process."""
+
+    name: str
+    role: str
+    process: Any
+    socket: Any
+    pid: int = 0
+    free_blocks: int = 0
+    peer: dict | None = None
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+
+@dataclass
+class _Flight:
+    """A request in flight: where it is and what it needs to be resumed elsewhere."""
+
+    state: RequestState
+    request: Request
+    worker: str = ""
+    phase: str = "prefill"  # "prefill", then "decode"
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class DisaggregatedLLM:
+    """Prefill and decode workers in separate processes, in :class:`~minipd.llm.LLM`'s shape.
+
+    Args:
+        model: a bundled name, a local HF folder or a hub id, as for ``LLM``.
+        num_prefill_workers, num_decode_workers: how many of each (at least one prefill worker).
+        kv_transfer: how K/V move: ``"pull"`` (the decode worker reads the prefill worker's blocks).
+        kv_lease_s: how long a prefill worker keeps a finished request's blocks for a reader, and how
+            long a read may take before the request is recomputed instead.
+        threads_per_worker: torch threads in each worker (default 1: workers share the machine's cores).
+        seed: seeds the draw of seeds for requests that give none.
+        start_timeout: seconds to wait for the workers to load the model.
+        **llm_options: passed to each worker's ``LLM`` (``max_model_len``, ``device``, engine options).
+    """
+
+    def __init__(self, model: str | os.PathLike = "tiny-py", *, num_prefill_workers: int = 1,
+                 num_decode_workers: int = 1, kv_transfer: str = "pull", kv_lease_s: float = 30.0,
+                 threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
+                 **llm_options: Any) -> None:
+        if kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))} ('push' and "
+                             f"'layerwise' are not built yet), got {kv_transfer!r}")
+        for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
+                                   ("num_decode_workers", num_decode_workers, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(kv_lease_s, (int, float)) or not kv_lease_s > 0:
+            raise ValueError(f"kv_lease_s must be a positive number of seconds, got {kv_lease_s!r}")
+        problem = nixl_available()
+        if problem is not None:
+            raise RuntimeError(f"DisaggregatedLLM moves K/V with NIXL: {problem}")
+        EngineConfig.from_options({k: v for k, v in llm_options.items()
+                                   if k not in ("device", "dtype", "max_model_len", "seed")})
+        folder = resolve_model(model)
+        self.config = ModelConfig.from_pretrained(folder)
+        self.tokenizer = Tokenizer(folder)
+        self.max_model_len = llm_options.get("max_model_len") or self.config.max_position_embeddings
+        eos = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.kv_transfer = kv_transfer
+        self.block_size = llm_options.get("block_size", EngineConfig.block_size)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(seed if seed is not None else time.time_ns())
+        self._next_id = 0
+        self._flights: dict[str, _Flight] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._closed = False
+        #: Requests sent to another worker because theirs died or a K/V read failed.
+        self.num_recovered_requests = 0
+        self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
+                    start_timeout, llm_options)
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------------------- processes
+    def _start(self, model: str, num_prefill: int, num_decode: int, kv_lease_s: float, threads: int | None,
+               timeout: float, llm_options: dict) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._folder = tempfile.mkdtemp(prefix="minipd-pd-")
+        outbox = f"ipc://{self._folder}/out"
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(outbox)
+        spawn = mp.get_context("spawn")
+        try:
+            for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+                for index in range(count):
+                    name = f"{role}{index}"
+                    inbox = f"ipc://{self._folder}/{name}"
+                    socket = self._context.socket(zmq.PUSH)
+                    socket.bind(inbox)
+                    process = spawn.Process(target=run_worker, name=f"minipd-{name}", daemon=True,
+                                            args=(role, index, model, llm_options, inbox, outbox, kv_lease_s,
+                                                  threads))
+                    process.start()
+                    self._workers[name] = _Worker(name, role, process, socket)
+            self._wait_ready(timeout)
+            for worker in self._workers.values():
+                if worker.role == "decode":
+                    for peer in self._role("prefill"):
+                        self._send(worker, ("add_peer", peer.peer))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = set(self._workers)
+        while waiting:
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers {sorted(waiting)} were not ready after {timeout:.0f} s")
+            message = self._receive(0.2)
+            if message is None:
+                dead = [n for n in waiting if not self._workers[n].alive]
+                if dead:
+                    raise WorkerError(f"worker {dead[0]} exited while starting")
+                continue
+            if message["kind"] == "error":
+                raise WorkerError(message["message"])
+            if message["kind"] == "ready":
+                worker = self._workers[message["worker"]]
+                worker.pid, worker.peer, worker.free_blocks = message["pid"], message["peer"], \
+                    message["num_kv_blocks"]
+                waiting.discard(worker.name)
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The pids of the live workers, by role (kill one to watch the others take over)."""
+        return {role: [w.pid for w in self._workers.values() if w.role == role and w.alive]
+                for role in ("prefill", "decode")}
+
+    def shutdown(self) -> None:
+        """Stop every worker (killing those that do not stop within 10 s) and free the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers.values():
+            if worker.alive:
+                with contextlib.suppress(Exception):
+                    self._send(worker, ("shutdown",))
+        deadline = time.monotonic() + 10
+        for worker in self._workers.values():
+            worker.process.join(timeout=max(0.1, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=10)
+            worker.socket.close(linger=0)
+        if hasattr(self, "_pull"):
+            self._pull.close(linger=0)
+            self._context.term()
+            shutil.rmtree(self._folder, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> DisaggregatedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    def _role(self, role: str) -> list[_Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.alive]
+
+    def _send(self, worker: _Worker, message: tuple) -> None:
+        import zmq
+
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        while True:
+            try:
+                worker.socket.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not worker.alive:
+                    raise WorkerError(f"worker {worker.name} is gone") from None
+                time.sleep(0.001)
+
+    def _receive(self, timeout: float) -> dict | None:
+        if self._pull.poll(int(timeout * 1000)):
+            return pickle.loads(self._pull.recv())
+        return None
+
+    # -------------------------------------------------------------------------------- requests
+    def _encode(self, prompt: PromptInput, index: int) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompts[{index}] is an empty string: a prompt needs at least one token")
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        check_prompt_ids(index, ids, self.config.vocab_size, self.max_model_len)
+        return ids, text
+
+    def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
+        request_id = str(self._next_id)
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        state = self.processor.new_state(request_id, text, ids, params, time.perf_counter())
+        request = Request(request_id=request_id, all_token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
+                          seed=seed, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                          arrival_time=state.metrics.arrival_time)
+        self.processor.add(state)
+        flight = _Flight(state, request)
+        self._flights[request_id] = flight
+        self._to_prefill(flight)
+        return state
+
+    def _to_prefill(self, flight: _Flight) -> None:
+        workers = self._role("prefill")
+        if not workers:
+            return self._to_decode(flight, recompute=True)
+        worker = min(workers, key=lambda w: len(w.requests))
+        # The prefill worker samples only the first token, then keeps the prompt's K/V for the reader.
+        first_only = dataclasses.replace(flight.request, params=dataclasses.replace(flight.request.params,
+                                                                                   max_tokens=1),
+                                         hold_kv=bool(self._role("decode")), all_token_ids=list(
+                                             flight.request.all_token_ids))
+        self._assign(flight, worker, "prefill")
+        self._send(worker, ("add", first_only))
+        return None
+
+    def _to_decode(self, flight: _Flight, recompute: bool, peer: str = "", blocks: Sequence[int] = ()) -> None:
+        """Continue a request on a decode worker: reading its K/V from ``peer``, or recomputing its tokens."""
+        state = flight.state
+        tokens = [*state.prompt_token_ids, *state.token_ids]
+        request = dataclasses.replace(flight.request, all_token_ids=tokens, hold_kv=False,
+                                      num_external_tokens=0 if recompute else len(state.prompt_token_ids))
+        workers = self._role("decode")
+        if not workers:
+            workers = self._role("prefill")  # no decode worker left: a prefill worker decodes
+            if not workers:
+                raise WorkerError("every worker is gone")
+            worker = min(workers, key=lambda w: len(w.requests))
+            self._assign(flight, worker, "decode")
+            self._send(worker, ("add", dataclasses.replace(request, num_external_tokens=0)))
+            return
+        worker = max(workers, key=lambda w: w.free_blocks)
+        self._assign(flight, worker, "decode")
+        if recompute:
+            self._send(worker, ("add", request))
+        else:
+            # Reserve the blocks now, so the next request is not routed as if they were free.
+            worker.free_blocks -= -(-len(tokens) // self.block_size)
+            self._send(worker, ("add_remote", request, peer, list(blocks)))
+
+    def _assign(self, flight: _Flight, worker: _Worker, phase: str) -> None:
+        old = self._workers.get(flight.worker)
+        if old is not None:
+            old.requests.discard(flight.request.request_id)
+        flight.worker, flight.phase = worker.name, phase
+        worker.requests.add(flight.request.request_id)
+        if phase == "prefill":
+            flight.state.metrics.prefill_worker = worker.name
+        else:
+            flight.state.metrics.decode_worker = worker.name
+
+    # -------------------------------------------------------------------------------- the pump
+    def _pump(self, timeout: float = 0.05) -> None:
+        """Take every message that has arrived (waiting up to ``timeout`` for the first); check for deaths."""
+        message = self._receive(timeout)
+        while message is not None:
+            self._on_message(message)
+            message = self._receive(0.0)
+        for worker in list(self._workers.values()):
+            if not worker.alive and worker.requests:
+                self._on_death(worker)
+
+    def _on_message(self, message: dict) -> None:
+        kind = message["kind"]
+        worker = self._workers[message["worker"]]
+        if kind == "outputs":
+            worker.free_blocks = message["free_blocks"]
+            held = message["held"]
+            for out in message["outputs"].outputs:
+                self._on_output(worker, out, message["outputs"].timestamp, held.get(out.request_id))
+        elif kind == "kv_loaded":
+            flight = self._flights.get(message["request_id"])
+            if flight is not None:
+                m = flight.state.metrics
+                m.kv_transfer_bytes += message["bytes"]
+                m.kv_transfer_start, m.kv_transfer_end = message["start"], message["end"]
+        elif kind == "kv_failed":
+            flight = self._flights.get(message["request_id"])
+            if flight is not None:
+                self.num_recovered_requests += 1
+                self._to_decode(flight, recompute=True)
+        elif kind == "error":
+            request_id = message.get("request_id")
+            flight = self._flights.pop(request_id, None) if request_id else None
+            if flight is None:
+                raise WorkerError(message["message"])
+            self._finish_with_error(flight, message["message"])
+
+    def _on_output(self, worker: _Worker, out: EngineCoreOutput, timestamp: float, held: list[int] | None) -> None:
+        flight = self._flights.get(out.request_id)
+        if flight is None or flight.worker != worker.name:
+            if held is not None:  # nobody will read these blocks any more
+                self._send(worker, ("release_kv", out.request_id))
+            return
+        if flight.phase == "prefill" and worker.role == "prefill" and out.finish_reason is FinishReason.LENGTH \
+                and self._continues(flight, out):
+            # The first token is in; decoding goes on elsewhere.
+            flight.prefill_tokens, flight.cached_tokens = out.num_prefill_tokens, out.num_cached_tokens
+            out = dataclasses.replace(out, finish_reason=None)
+            self._deliver(flight, out, timestamp)
+            if not flight.state.finished:
+                if held is not None:
+                    self._to_decode(flight, recompute=False, peer=worker.name, blocks=held)
+                else:
+                    self._to_decode(flight, recompute=True)
+            elif held is not None:
+                self._send(worker, ("release_kv", out.request_id))
+            return
+        if held is not None:
+            self._send(worker, ("release_kv", out.request_id))
+        out = dataclasses.replace(out, num_prefill_tokens=out.num_prefill_tokens + flight.prefill_tokens,
+                                  num_cached_tokens=out.num_cached_tokens + flight.cached_tokens)
+        self._deliver(flight, out, timestamp)
+
+    def _continues(self, flight: _Flight, out: EngineCoreOutput) -> bool:
+        """Whether a prefill that ended by length (its forced max_tokens=1) still has tokens to produce."""
+        produced = len(flight.state.token_ids) + len(out.new_token_ids)
+        total = len(flight.state.prompt_token_ids) + produced
+        return produced < flight.request.params.max_tokens and total < self.max_model_len
+
+    def _deliver(self, flight: _Flight, out: EngineCoreOutput, timestamp: float) -> None:
+        _, to_abort = self.processor.process(EngineCoreOutputs([out], timestamp))
+        worker = self._workers[flight.worker]
+        if to_abort:  # a stop string: the worker must end it too
+            self._send(worker, ("abort", to_abort, FinishReason.STOP))
+        if flight.state.finished:
+            worker.requests.discard(flight.request.request_id)
+            self._flights.pop(flight.request.request_id, None)
+
+    def _on_death(self, worker: _Worker) -> None:
+        """Send the dead worker's unfinished requests elsewhere, recomputed from the tokens produced so far."""
+        orphans = [self._flights[r] for r in sorted(worker.requests, key=int) if r in self._flights]
+        worker.requests.clear()
+        self.num_recovered_requests += len(orphans)
+        for flight in orphans:
+            if flight.phase == "prefill":
+                self._to_prefill(flight)
+            else:
+                self._to_decode(flight, recompute=True)
+
+    def _finish_with_error(self, flight: _Flight, message: str) -> None:
+        self._workers[flight.worker].requests.discard(flight.request.request_id)
+        self.processor.process(EngineCoreOutputs([EngineCoreOutput(flight.request.request_id, [],
+                                                                   FinishReason.ABORT)], time.perf_counter()))
+        flight.state.stop_reason = message
+
+    # ------------------------------------------------------------------------------------ API
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt across the workers; one :class:`RequestOutput` per prompt, in order."""
+        if self._closed:
+            raise RuntimeError("this DisaggregatedLLM is shut down")
+        prompt_list = normalize_prompts(prompts)
+        params = normalize_params(sampling_params, len(prompt_list))
+        encoded = [self._encode(p, i) for i, p in enumerate(prompt_list)]  # every prompt checked before any runs
+        states = [self._submit(ids, text, sp) for (ids, text), sp in zip(encoded, params, strict=True)]
+        while not all(s.finished for s in states):
+            self._pump()
+        return [s.to_output() for s in states]
+
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield one :class:`StreamDelta` per generated token of ``prompt`` as it arrives from the workers."""
+        prompts = normalize_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
+        (params,) = normalize_params(sampling_params, 1)
+        state = self._submit(*self._encode(prompts[0], 0), params)
+        outbox = self.processor.watch(state.request_id)
+        while True:
+            while outbox:
+                delta = outbox.popleft()
+                yield delta
+                if delta.finished:
+                    return
+            self._pump()
+
+    def worker_stats(self, timeout: float = 10.0) -> dict[str, dict]:
+        """Each live worker's KV blocks used and free and its live requests (asked now)."""
+        asked = {w.name for w in self._workers.values() if w.alive}
+        for name in asked:
+            self._send(self._workers[name], ("stats",))
+        stats: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout
+        while set(stats) != asked and time.monotonic() < deadline:
+            message = self._receive(0.1)
+            if message is None:
+                continue
+            if message["kind"] == "stats":
+                stats[message["worker"]] = {k: message[k] for k in ("used_blocks", "free_blocks", "live_requests")}
+            else:
+                self._on_message(message)
+        return stats
+
+
+__all__ = ["DisaggregatedLLM", "WorkerError"]

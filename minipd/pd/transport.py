@@ -1,0 +1,128 @@
+"""Moving KV blocks between workers' pools: the data plane of prefill/decode disaggregation.
+
+A transport registers a worker's paged pool once and then moves *blocks*: the decode worker reads
+(``"pull"``) the blocks a finished prefill holds, straight from the prefill worker's memory into its
+own freshly allocated blocks, and the prefill worker is notified when the read is done so it can
+free them. Only the request's blocks move, one descriptor per (layer, K or V, block).
+
+:class:`NixlTransport` uses NIXL (the transfer library behind vLLM's NixlConnector and NVIDIA
+Dynamo); with its UCX backend it moves registered CPU memory between processes, and GPU memory over
+NVLink or RDMA where the hardware has them. NIXL is Linux-only: ``pip install nixl-cu12``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minipd.kv.paged_pool import PagedKVPool
+
+
+def nixl_available() -> str | None:
+    """None when NIXL can be used here, else why not (in words)."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError as err:
+        return f"NIXL is not installed ({err}); pip install nixl-cu12 (Linux only)"
+    return None
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a pool's blocks are in memory: block ``b`` of layer ``l`` starts ``(l * num_blocks + b)`` blocks
+    after the K (or V) base address. Sent to peers so they can address blocks they do not own."""
+
+    k_address: int
+    v_address: int
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+    device_id: int
+    mem_type: str
+
+    @classmethod
+    def of(cls, pool: PagedKVPool) -> PoolLayout:
+        """The layout of ``pool`` (its K and V tensors must be contiguous)."""
+        if not (pool.k.is_contiguous() and pool.v.is_contiguous()):
+            raise ValueError("the KV pool must be contiguous to be registered for transfer")
+        block_bytes = pool.k[0, 0].nbytes
+        cuda = pool.k.device.type == "cuda"
+        device_id = (pool.k.device.index or 0) if cuda else 0
+        return cls(pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape[0], pool.k.shape[1], block_bytes, device_id,
+                   "VRAM" if cuda else "DRAM")
+
+    def descriptors(self, block_ids: list[int]) -> np.ndarray:
+        """(layers * 2 * blocks, 3) rows of (address, length, device) for these blocks, K then V per layer."""
+        blocks = np.asarray(block_ids, dtype=np.uint64)
+        layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
+        offsets = (layers * np.uint64(self.num_blocks) + blocks[None, :]) * np.uint64(self.block_bytes)
+        addresses = np.concatenate([np.uint64(self.k_address) + offsets, np.uint64(self.v_address) + offsets],
+                                   axis=1).reshape(-1)
+        rows = np.empty((addresses.size, 3), dtype=np.uint64)
+        rows[:, 0], rows[:, 1], rows[:, 2] = addresses, self.block_bytes, self.device_id
+        return rows
+
+
+class NixlTransport:
+    """One NIXL agent per worker, its pool registered once; reads peers' blocks and reports finished reads."""
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str, pool: PagedKVPool) -> None:
+        problem = nixl_available()
+        if problem is not None:
+            raise RuntimeError(f"kv transport 'nixl' unavailable: {problem}")
+        from nixl_cu12._api import nixl_agent
+
+        self.agent_name = agent_name
+        self.agent = nixl_agent(agent_name)
+        self.layout = PoolLayout.of(pool)
+        self._registered = self.agent.register_memory([pool.k, pool.v])
+        self._peers: dict[str, PoolLayout] = {}
+
+    def peer_info(self) -> dict[str, Any]:
+        """What a peer needs to read from this worker (picklable)."""
+        return {"name": self.agent_name, "metadata": self.agent.get_agent_metadata(), "layout": self.layout}
+
+    def add_peer(self, info: dict[str, Any]) -> None:
+        """Learn how to reach another worker's pool."""
+        self.agent.add_remote_agent(info["metadata"])
+        self._peers[info["name"]] = info["layout"]
+
+    def start_read(self, peer: str, remote_blocks: list[int], local_blocks: list[int], notification: bytes) -> Any:
+        """Start copying ``remote_blocks`` of ``peer``'s pool into ``local_blocks`` of ours; returns a handle.
+
+        ``peer`` receives ``notification`` once the read is complete.
+        """
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError(f"{len(remote_blocks)} blocks to read into {len(local_blocks)}")
+        layout = self._peers[peer]
+        if layout.block_bytes != self.layout.block_bytes or layout.num_layers != self.layout.num_layers:
+            raise ValueError(f"peer {peer!r} stores blocks of another shape")
+        local = self.agent.get_xfer_descs(self.layout.descriptors(local_blocks), self.layout.mem_type)
+        remote = self.agent.get_xfer_descs(layout.descriptors(remote_blocks), layout.mem_type)
+        handle = self.agent.initialize_xfer("READ", local, remote, peer, notification)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL could not start reading {len(remote_blocks)} blocks from {peer!r}")
+        return handle
+
+    def poll(self, handle: Any) -> str:
+        """``"DONE"``, ``"PROC"`` (in progress) or ``"ERR"``; a finished handle is released."""
+        state = self.agent.check_xfer_state(handle)
+        if state in ("DONE", "ERR"):
+            self.agent.release_xfer_handle(handle)
+        return state
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``peer`` a notification without moving data (e.g. "I will not read these blocks after all")."""
+        self.agent.send_notif(peer, message)
+
+    def notifications(self) -> list[bytes]:
+        """Notifications received since the last call (one per finished read of our blocks)."""
+        return [msg for messages in self.agent.get_new_notifs().values() for msg in messages]
+
+
+TRANSPORTS = {"nixl": NixlTransport}

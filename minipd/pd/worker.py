@@ -1,0 +1,205 @@
+"""A prefill or decode worker: one process, one engine core with its own KV pool, one KV transport.
+
+The worker serves messages from the front end (:class:`~minipd.pd.llm.DisaggregatedLLM`) over ZeroMQ
+and steps its core while it has work:
+
+- a **prefill** worker runs requests up to their first token and keeps their blocks
+  (``hold_kv``); it tells the front end which blocks hold each request's K/V, and frees them when the
+  decode worker's read is done (a NIXL notification) or when the lease runs out;
+- a **decode** worker admits a request whose prompt K/V are elsewhere (``num_external_tokens``),
+  reads them from the prefill worker's blocks into its own once they are allocated, and decodes.
+
+Messages in: ("add", Request), ("add_remote", Request, peer name, peer block ids), ("abort", ids,
+reason), ("release_kv", id), ("add_peer", info), ("stats",), ("shutdown",). Messages out are dicts
+with a ``kind``: ready, outputs, kv_loaded, kv_failed, stats, error.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+#: How long the loop waits for a message when transfers or leases need watching.
+POLL_INTERVAL = 0.005
+
+
+@dataclass
+class _RemoteLoad:
+    """A decode-side request whose prompt K/V are read from a prefill worker."""
+
+    peer: str
+    remote_blocks: list[int]
+    handle: Any = None
+    started: float = 0.0
+    num_bytes: int = 0
+
+
+def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
+               kv_lease_s: float, threads: int | None) -> None:
+    """Entry point of a spawned worker process."""
+    import torch
+    import zmq
+
+    if threads:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.connect(inbox)
+    push = context.socket(zmq.PUSH)
+    push.connect(outbox)
+    name = f"{role}{index}"
+    parent = os.getppid()
+
+    def send(message: dict) -> None:
+        message["worker"] = name
+        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    try:
+        from minipd.llm import LLM
+        from minipd.pd.transport import NixlTransport
+
+        llm = LLM(model, **llm_options)
+        core = llm.engine.core
+        transport = NixlTransport(name, core.pool)
+        send({"kind": "ready", "pid": os.getpid(), "peer": transport.peer_info(),
+              "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
+        _Worker(role, core, transport, send, kv_lease_s).serve(pull, lambda: os.getppid() == parent)
+    except Exception as err:
+        send({"kind": "error", "message": f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"})
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        context.term()
+
+
+class _Worker:
+    """The loop of one worker around its engine core (separate from the process plumbing, for reading)."""
+
+    def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float) -> None:
+        self.role, self.core, self.transport, self.send, self.kv_lease_s = role, core, transport, send, kv_lease_s
+        self.remote: dict[str, _RemoteLoad] = {}  # decode side: loads by request id
+        self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
+
+    def serve(self, pull: Any, parent_alive: Any) -> None:
+        while True:
+            sched = self.core.scheduler
+            busy = bool(sched.running or sched.waiting)  # something can compute now
+            watching = bool(self.remote or self.held_since)
+            timeout_ms = 0 if busy else int(POLL_INTERVAL * 1000) if watching else 1000
+            while pull.poll(timeout_ms):
+                if not self.handle(pickle.loads(pull.recv())):
+                    return
+                timeout_ms = 0
+            if not parent_alive():
+                return  # the front end is gone: nobody to serve
+            self.watch_transfers()
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self.report(outputs)
+
+    def handle(self, message: tuple) -> bool:
+        kind = message[0]
+        try:
+            if kind == "add":
+                self.core.add_request(message[1])
+            elif kind == "add_remote":
+                request, peer, blocks = message[1:]
+                self.core.add_request(request)
+                self.remote[request.request_id] = _RemoteLoad(peer, list(blocks))
+            elif kind == "abort":
+                for request_id in message[1]:
+                    self.remote.pop(request_id, None)
+                    self.held_since.pop(request_id, None)
+                self.report_outputs(self.core.abort_requests(message[1], *message[2:]))
+            elif kind == "release_kv":
+                self.held_since.pop(message[1], None)
+                self.core.release_kv(message[1])
+            elif kind == "add_peer":
+                self.transport.add_peer(message[1])
+            elif kind == "stats":
+                bm = self.core.block_manager
+                self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
+                           "live_requests": len(self.core.requests)})
+            elif kind == "shutdown":
+                return False
+        except Exception as err:  # a bad message must not take the worker down
+            request_id = message[1].request_id if kind in ("add", "add_remote") else None
+            self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
+        return True
+
+    def report(self, outputs: Any) -> None:
+        from minipd.engine.request import RequestStatus
+
+        held = {}
+        for out in outputs.outputs:
+            request = self.core.requests.get(out.request_id)
+            if request is not None and request.status is RequestStatus.FINISHED_HOLDING_KV:
+                held[out.request_id] = list(request.blocks.block_table)
+                self.held_since[out.request_id] = time.monotonic()
+        if outputs.outputs or held:
+            self.send({"kind": "outputs", "outputs": outputs, "held": held,
+                       "free_blocks": self.core.block_manager.num_free_blocks})
+
+    def report_outputs(self, outputs: list) -> None:
+        from minipd.engine.request import EngineCoreOutputs
+
+        if outputs:
+            self.send({"kind": "outputs", "outputs": EngineCoreOutputs(outputs, time.perf_counter()), "held": {},
+                       "free_blocks": self.core.block_manager.num_free_blocks})
+
+    def watch_transfers(self) -> None:
+        from minipd.engine.request import FinishReason, RequestStatus
+
+        now = time.monotonic()
+        # Prefill side: a finished read frees the blocks at once; an expired lease frees them anyway.
+        for message in self.transport.notifications():
+            request_id = message.decode()
+            if self.held_since.pop(request_id, None) is not None:
+                self.core.release_kv(request_id)
+        for request_id, since in list(self.held_since.items()):
+            if now - since > self.kv_lease_s:
+                del self.held_since[request_id]
+                self.core.release_kv(request_id)
+        # Decode side: start reads for requests whose blocks are now allocated, and finish the done ones.
+        for request_id, load in list(self.remote.items()):
+            request = self.core.requests.get(request_id)
+            if request is None:
+                del self.remote[request_id]
+                continue
+            if load.handle is None:
+                if request.status is RequestStatus.RUNNING:
+                    # The local prefix cache already had the prompt: nothing to read; the sender may free its copy.
+                    del self.remote[request_id]
+                    self.transport.notify(load.peer, request_id.encode())
+                    continue
+                if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+                    continue
+                n = -(-request.num_external_tokens // self.core.config.block_size)
+                try:
+                    load.handle = self.transport.start_read(load.peer, load.remote_blocks[:n],
+                                                            request.blocks.block_table[:n], request_id.encode())
+                except Exception as err:
+                    self._fail(request_id, f"{type(err).__name__}: {err}", FinishReason, now)
+                    continue
+                load.started, load.num_bytes = time.perf_counter(), n * self.core.kv_spec.bytes_per_block
+                continue
+            state = self.transport.poll(load.handle)
+            if state == "DONE":
+                del self.remote[request_id]
+                self.core.finish_kv_load(request_id)
+                self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": load.num_bytes,
+                           "start": load.started, "end": time.perf_counter()})
+            elif state == "ERR" or time.perf_counter() - load.started > self.kv_lease_s:
+                self._fail(request_id, f"transfer {state.lower()} after {time.perf_counter() - load.started:.1f} s",
+                           FinishReason, now)
+
+    def _fail(self, request_id: str, why: str, reasons: Any, now: float) -> None:
+        """A read that failed or outlived its lease: drop the request here; the front end recomputes it."""
+        self.remote.pop(request_id, None)
+        self.core.abort_requests([request_id], reasons.ABORT)
+        self.send({"kind": "kv_failed", "request_id": request_id, "message": why})

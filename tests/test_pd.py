@@ -1,0 +1,149 @@
+"""Prefill/decode disaggregation: workers in separate processes, K/V read over NIXL.
+
+Outputs equal a single engine's token for token (greedy and seeded); a decode worker killed mid-run
+changes nothing but the route; with no decode worker left the prefill worker decodes; blocks held for
+a reader that died are freed by the lease; ``shutdown`` leaves no process behind. Every test bounds
+its workers in time and shuts them down, also when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from minipd import LLM, DisaggregatedLLM, SamplingParams
+from minipd.pd.transport import nixl_available
+
+pytestmark = pytest.mark.skipif(nixl_available() is not None, reason=f"needs NIXL: {nixl_available()}")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-py")
+
+
+def mixed(llm: LLM, n: int = 32) -> tuple[list[list[int]], list[SamplingParams]]:
+    text = ("import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.ArgumentParser()\n"
+            "    args = parser.parse_args(argv)\n    return run(args)\n") * 8
+    ids = llm.tokenizer.encode(text)
+    prompts = [ids[(i * 7) % 50:(i * 7) % 50 + 4 + (i * 13) % 90] for i in range(n)]
+    params = []
+    for i in range(n):
+        if i % 4 == 1:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=8 + i % 24, ignore_eos=True))
+        elif i % 4 == 2:
+            params.append(SamplingParams(temperature=0, max_tokens=1 + i % 3))  # some end at the first token
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=8 + (i * 5) % 40, stop=["\n\n"]))
+    return prompts, params
+
+
+def tokens(outputs) -> list[tuple[list[int], str, str | None]]:
+    return [(o.token_ids, o.text, o.finish_reason) for o in outputs]
+
+
+def wait_until_blocks_free(pd: DisaggregatedLLM, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = pd.worker_stats()
+        if all(s["used_blocks"] == 0 and s["live_requests"] == 0 for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {stats}")
+        time.sleep(0.2)
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split(")")[-1].split()[0] == "Z", f"worker {pid} is still running"
+
+
+def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
+    prompts, params = mixed(llm)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_lease_s=20, start_timeout=120) as pd:
+        pids = [p for group in pd.worker_pids().values() for p in group]
+        assert len(pids) == 3 and os.getpid() not in pids
+        outputs = pd.generate(prompts, params)
+        assert tokens(outputs) == expected
+        decoded = [o for o in outputs if o.metrics.decode_worker]
+        assert {o.metrics.decode_worker for o in decoded} == {"decode0", "decode1"}
+        assert all(o.metrics.prefill_worker == "prefill0" for o in outputs)
+        # Each decoded request moved exactly its prompt's blocks, and none was recomputed there.
+        per_block = 2 * llm.config.num_hidden_layers * 16 * llm.config.num_key_value_heads * llm.config.head_dim * 4
+        for o in decoded:
+            assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
+            assert o.metrics.kv_transfer_end >= o.metrics.kv_transfer_start
+            assert o.metrics.prefill_tokens + o.metrics.cached_tokens == len(o.prompt_token_ids)
+        streamed = list(pd.stream(prompts[0], params[0]))
+        assert [d.token_id for d in streamed] == expected[0][0]
+        wait_until_blocks_free(pd)
+    assert_gone(pids)
+
+
+def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm):
+    prompts, params = mixed(llm)
+    params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=48, ignore_eos=True)
+              for p in params]
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_lease_s=2, start_timeout=120) as pd:
+        victim = pd.worker_pids()["decode"][0]
+        killer = threading.Timer(1.5, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        try:
+            outputs = pd.generate(prompts, params)
+        finally:
+            killer.cancel()
+        assert pd.worker_pids()["decode"] != [victim] and len(pd.worker_pids()["decode"]) == 1
+        assert pd.num_recovered_requests > 0  # it died holding requests, which finished elsewhere
+        assert tokens(outputs) == expected
+        wait_until_blocks_free(pd)  # blocks held for the dead reader are freed by the lease
+
+
+def test_with_no_decode_worker_left_the_prefill_worker_decodes(llm):
+    prompts, params = mixed(llm, 8)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", kv_lease_s=2, start_timeout=120) as pd:
+        (decoder,) = pd.worker_pids()["decode"]
+        os.kill(decoder, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pd.worker_pids()["decode"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        outputs = pd.generate(prompts, params)
+        assert tokens(outputs) == expected
+        assert {o.metrics.decode_worker for o in outputs if o.metrics.decode_worker} <= {"prefill0"}
+        wait_until_blocks_free(pd)
+
+
+def test_bad_arguments_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="kv_transfer must be one of 'pull'"):
+        DisaggregatedLLM("tiny-py", kv_transfer="push")
+    with pytest.raises(ValueError, match="num_prefill_workers"):
+        DisaggregatedLLM("tiny-py", num_prefill_workers=0)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        DisaggregatedLLM("tiny-py", not_an_option=1)
+
+
+def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm):
+    prompts, params = mixed(llm)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", num_prefill_workers=2, kv_lease_s=2, start_timeout=120) as pd:
+        victim = pd.worker_pids()["prefill"][1]
+        killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        try:
+            outputs = pd.generate(prompts, params)
+        finally:
+            killer.cancel()
+        assert victim not in pd.worker_pids()["prefill"] and len(pd.worker_pids()["prefill"]) == 1
+        assert tokens(outputs) == expected
+        wait_until_blocks_free(pd)
