@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation: workers in separate processes, K/V read over NIXL.
+"""Prefill/decode disaggregation: workers in separate processes, K/V read over NIXL (or torch.distributed).
 
 Outputs equal a single engine's token for token (greedy and seeded); a decode worker killed mid-run
 changes nothing but the route; with no decode worker left the prefill worker decodes; blocks held for
@@ -18,7 +18,7 @@ import pytest
 from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.pd.transport import nixl_available
 
-pytestmark = pytest.mark.skipif(nixl_available() is not None, reason=f"needs NIXL: {nixl_available()}")
+needs_nixl = pytest.mark.skipif(nixl_available() is not None, reason=f"needs NIXL: {nixl_available()}")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,7 @@ def assert_gone(pids: list[int]) -> None:
             assert f.read().split(")")[-1].split()[0] == "Z", f"worker {pid} is still running"
 
 
+@needs_nixl
 def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
     prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
@@ -90,6 +91,7 @@ def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
     assert_gone(pids)
 
 
+@needs_nixl
 def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm):
     prompts, params = mixed(llm)
     params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=48, ignore_eos=True)
@@ -109,6 +111,7 @@ def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm):
         wait_until_blocks_free(pd)  # blocks held for the dead reader are freed by the lease
 
 
+@needs_nixl
 def test_with_no_decode_worker_left_the_prefill_worker_decodes(llm):
     prompts, params = mixed(llm, 8)
     expected = tokens(llm.generate(prompts, params))
@@ -133,6 +136,7 @@ def test_bad_arguments_are_refused_before_any_process_starts():
         DisaggregatedLLM("tiny-py", not_an_option=1)
 
 
+@needs_nixl
 def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm):
     prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
@@ -147,3 +151,31 @@ def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm):
         assert victim not in pd.worker_pids()["prefill"] and len(pd.worker_pids()["prefill"]) == 1
         assert tokens(outputs) == expected
         wait_until_blocks_free(pd)
+
+
+@needs_nixl
+def test_full_decode_pools_hold_new_prompts_back(llm):
+    prompts, params = mixed(llm, 16)
+    params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=24, ignore_eos=True) for p in params]
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", num_kv_blocks=24, kv_lease_s=5, start_timeout=120) as pd:
+        with pytest.raises(ValueError, match="pools have 24 blocks"):
+            pd.generate([list(range(1, 400))], SamplingParams(max_tokens=8))
+        outputs = pd.generate(prompts, params)
+        assert pd.num_backpressured > 0  # some prompts waited in the front end for decode room
+        assert tokens(outputs) == expected
+        wait_until_blocks_free(pd)
+
+
+def test_torch_distributed_transport_gives_the_same_outputs(llm):
+    """The fallback for platforms without NIXL: the same reads over gloo point-to-point messages."""
+    prompts, params = mixed(llm, 16)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_lease_s=20, start_timeout=120) as pd:
+        pids = [p for group in pd.worker_pids().values() for p in group]
+        outputs = pd.generate(prompts, params)
+        assert tokens(outputs) == expected
+        moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+        assert moved and all(o.metrics.kv_transfer_bytes > 0 for o in moved)
+        wait_until_blocks_free(pd)
+    assert_gone(pids)

@@ -42,12 +42,21 @@ from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
 from minipd.models.registry import resolve_model
 from minipd.outputs import RequestOutput, StreamDelta
-from minipd.pd.transport import nixl_available
+from minipd.pd.transport import TRANSPORTS, nixl_available
 from minipd.pd.worker import run_worker
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
 KV_TRANSFERS = ("pull",)
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for torch.distributed's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class WorkerError(RuntimeError):
@@ -64,6 +73,7 @@ class _Worker:
     socket: Any
     pid: int = 0
     free_blocks: int = 0
+    num_blocks: int = 0
     peer: dict | None = None
     requests: set[str] = field(default_factory=set)
 
@@ -91,6 +101,9 @@ class DisaggregatedLLM:
         model: a bundled name, a local HF folder or a hub id, as for ``LLM``.
         num_prefill_workers, num_decode_workers: how many of each (at least one prefill worker).
         kv_transfer: how K/V move: ``"pull"`` (the decode worker reads the prefill worker's blocks).
+        kv_transport: what moves them: ``"nixl"`` (the default where installed) or ``"torch"``
+            (``torch.distributed`` with gloo: every platform, slower, no recovery of transfers under way
+            when a worker dies — those requests are recomputed after ``kv_lease_s``).
         kv_lease_s: how long a prefill worker keeps a finished request's blocks for a reader, and how
             long a read may take before the request is recomputed instead.
         threads_per_worker: torch threads in each worker (default 1: workers share the machine's cores).
@@ -100,7 +113,8 @@ class DisaggregatedLLM:
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, num_prefill_workers: int = 1,
-                 num_decode_workers: int = 1, kv_transfer: str = "pull", kv_lease_s: float = 30.0,
+                 num_decode_workers: int = 1, kv_transfer: str = "pull", kv_transport: str | None = None,
+                 kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
                  **llm_options: Any) -> None:
         if kv_transfer not in KV_TRANSFERS:
@@ -112,9 +126,13 @@ class DisaggregatedLLM:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not isinstance(kv_lease_s, (int, float)) or not kv_lease_s > 0:
             raise ValueError(f"kv_lease_s must be a positive number of seconds, got {kv_lease_s!r}")
-        problem = nixl_available()
-        if problem is not None:
-            raise RuntimeError(f"DisaggregatedLLM moves K/V with NIXL: {problem}")
+        if kv_transport is None:
+            kv_transport = "nixl" if nixl_available() is None else "torch"
+        if kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {kv_transport!r}")
+        if kv_transport == "nixl" and nixl_available() is not None:
+            raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
+        self.kv_transport = kv_transport
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
         folder = resolve_model(model)
@@ -135,6 +153,9 @@ class DisaggregatedLLM:
         self._closed = False
         #: Requests sent to another worker because theirs died or a K/V read failed.
         self.num_recovered_requests = 0
+        #: Requests held back before prefill because no decode worker had room for them (backpressure).
+        self.num_backpressured = 0
+        self._backlog: list[_Flight] = []
         self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
                     start_timeout, llm_options)
         atexit.register(self.shutdown)
@@ -150,6 +171,8 @@ class DisaggregatedLLM:
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(outbox)
         spawn = mp.get_context("spawn")
+        world = num_prefill + num_decode
+        address = f"tcp://127.0.0.1:{_free_port()}" if self.kv_transport == "torch" else ""
         try:
             for role, count in (("prefill", num_prefill), ("decode", num_decode)):
                 for index in range(count):
@@ -157,15 +180,18 @@ class DisaggregatedLLM:
                     inbox = f"ipc://{self._folder}/{name}"
                     socket = self._context.socket(zmq.PUSH)
                     socket.bind(inbox)
+                    transport = {"name": self.kv_transport, "rank": len(self._workers), "world_size": world,
+                                 "address": address}
                     process = spawn.Process(target=run_worker, name=f"minipd-{name}", daemon=True,
                                             args=(role, index, model, llm_options, inbox, outbox, kv_lease_s,
-                                                  threads))
+                                                  threads, transport))
                     process.start()
                     self._workers[name] = _Worker(name, role, process, socket)
             self._wait_ready(timeout)
+            # Every worker learns every other (readers their sources; sources, for torch, their readers).
             for worker in self._workers.values():
-                if worker.role == "decode":
-                    for peer in self._role("prefill"):
+                for peer in self._workers.values():
+                    if peer is not worker and (worker.role == "decode" or self.kv_transport == "torch"):
                         self._send(worker, ("add_peer", peer.peer))
         except BaseException:
             self.shutdown()
@@ -187,8 +213,8 @@ class DisaggregatedLLM:
                 raise WorkerError(message["message"])
             if message["kind"] == "ready":
                 worker = self._workers[message["worker"]]
-                worker.pid, worker.peer, worker.free_blocks = message["pid"], message["peer"], \
-                    message["num_kv_blocks"]
+                worker.pid, worker.peer = message["pid"], message["peer"]
+                worker.free_blocks = worker.num_blocks = message["num_kv_blocks"]
                 waiting.discard(worker.name)
 
     def worker_pids(self) -> dict[str, list[int]]:
@@ -261,6 +287,15 @@ class DisaggregatedLLM:
         check_prompt_ids(index, ids, self.config.vocab_size, self.max_model_len)
         return ids, text
 
+    def _check_fits(self, ids: list[int], params: SamplingParams, index: int) -> None:
+        """Refuse a request that could never fit the smallest worker pool, however long it waited."""
+        longest = min(self.max_model_len, len(ids) + params.max_tokens)
+        blocks = -(-(longest - 1) // self.block_size)
+        smallest = min(w.num_blocks for w in self._workers.values())
+        if blocks > smallest:
+            raise ValueError(f"prompts[{index}] may grow to {longest} tokens ({blocks} KV blocks) but the workers' "
+                             f"pools have {smallest} blocks; raise num_kv_blocks or lower max_tokens")
+
     def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
         request_id = str(self._next_id)
         self._next_id += 1
@@ -272,8 +307,28 @@ class DisaggregatedLLM:
         self.processor.add(state)
         flight = _Flight(state, request)
         self._flights[request_id] = flight
-        self._to_prefill(flight)
+        if self._backlog or not self._decode_has_room(flight):
+            # Backpressure: the prompt waits here (its TTFT grows) rather than piling up in a decode queue.
+            self.num_backpressured += 1
+            self._backlog.append(flight)
+        else:
+            self._to_prefill(flight)
         return state
+
+    def _blocks_for(self, flight: _Flight) -> int:
+        return -(-(len(flight.request.all_token_ids) + 1) // self.block_size)
+
+    def _decode_has_room(self, flight: _Flight) -> bool:
+        """Whether some decode worker can take ``flight`` once prefilled, counting the prefills on their way."""
+        decoders = self._role("decode")
+        if not decoders:
+            return True  # the prefill workers decode themselves
+        coming = sum(self._blocks_for(f) for f in self._flights.values() if f.phase == "prefill" and f.worker)
+        return max(w.free_blocks for w in decoders) - coming >= self._blocks_for(flight)
+
+    def _admit_backlog(self) -> None:
+        while self._backlog and self._decode_has_room(self._backlog[0]):
+            self._to_prefill(self._backlog.pop(0))
 
     def _to_prefill(self, flight: _Flight) -> None:
         workers = self._role("prefill")
@@ -334,6 +389,7 @@ class DisaggregatedLLM:
         for worker in list(self._workers.values()):
             if not worker.alive and worker.requests:
                 self._on_death(worker)
+        self._admit_backlog()
 
     def _on_message(self, message: dict) -> None:
         kind = message["kind"]
@@ -428,6 +484,8 @@ class DisaggregatedLLM:
         prompt_list = normalize_prompts(prompts)
         params = normalize_params(sampling_params, len(prompt_list))
         encoded = [self._encode(p, i) for i, p in enumerate(prompt_list)]  # every prompt checked before any runs
+        for i, ((ids, _), sp) in enumerate(zip(encoded, params, strict=True)):
+            self._check_fits(ids, sp, i)
         states = [self._submit(ids, text, sp) for (ids, text), sp in zip(encoded, params, strict=True)]
         while not all(s.finished for s in states):
             self._pump()
@@ -439,7 +497,9 @@ class DisaggregatedLLM:
         if len(prompts) != 1:
             raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
-        state = self._submit(*self._encode(prompts[0], 0), params)
+        ids, text = self._encode(prompts[0], 0)
+        self._check_fits(ids, params, 0)
+        state = self._submit(ids, text, params)
         outbox = self.processor.watch(state.request_id)
         while True:
             while outbox:

@@ -8,6 +8,8 @@ free them. Only the request's blocks move, one descriptor per (layer, K or V, bl
 :class:`NixlTransport` uses NIXL (the transfer library behind vLLM's NixlConnector and NVIDIA
 Dynamo); with its UCX backend it moves registered CPU memory between processes, and GPU memory over
 NVLink or RDMA where the hardware has them. NIXL is Linux-only: ``pip install nixl-cu12``.
+:class:`TorchDistributedTransport` does the same with ``torch.distributed`` messages (gloo on CPU)
+where NIXL is missing.
 """
 
 from __future__ import annotations
@@ -125,4 +127,131 @@ class NixlTransport:
         return [msg for messages in self.agent.get_new_notifs().values() for msg in messages]
 
 
-TRANSPORTS = {"nixl": NixlTransport}
+class TorchDistributedTransport:
+    """The same reads over ``torch.distributed`` point-to-point messages (gloo on CPU), for where NIXL is missing.
+
+    torch.distributed cannot read another process's memory, so a read is a request and a reply: the
+    reader sends the owner a small header (which blocks, a notification to deliver), the owner packs
+    those blocks and sends them, and the reader writes them into its own blocks. gloo's sends and
+    receives complete only inside a blocking ``wait``, so each worker waits in background threads: one
+    serving headers from any rank, one per read under way. Every worker joins one process group at
+    start-up. A peer that dies breaks the transfers under way; they run into their lease and the
+    requests are recomputed.
+    """
+
+    name = "torch"
+    #: Header: tag, sender rank, block count, notification length, 64 bytes of notification, block ids.
+    _NOTE = 8
+
+    def __init__(self, agent_name: str, pool: PagedKVPool, rank: int, world_size: int, address: str,
+                 max_blocks_per_request: int) -> None:
+        import datetime
+        import threading
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=120))
+        self.agent_name, self.rank, self.pool = agent_name, rank, pool
+        self.max_blocks = max_blocks_per_request
+        self._peers: dict[str, int] = {}
+        self._next_tag = 1
+        self._notes: list[bytes] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._serve, name=f"{agent_name}-kv-server", daemon=True).start()
+
+    def _header_size(self) -> int:
+        return 4 + self._NOTE + self.max_blocks
+
+    def peer_info(self) -> dict[str, Any]:
+        """What a peer needs: this worker's rank in the group."""
+        return {"name": self.agent_name, "rank": self.rank}
+
+    def add_peer(self, info: dict[str, Any]) -> None:
+        """Learn another worker's rank."""
+        self._peers[info["name"]] = info["rank"]
+
+    def start_read(self, peer: str, remote_blocks: list[int], local_blocks: list[int], notification: bytes) -> Any:
+        """Ask ``peer`` for ``remote_blocks``; they land in ``local_blocks`` when :meth:`poll` says DONE."""
+        import threading
+
+        import torch
+
+        if len(remote_blocks) != len(local_blocks) or len(remote_blocks) > self.max_blocks:
+            raise ValueError(f"cannot read {len(remote_blocks)} blocks into {len(local_blocks)} "
+                             f"(at most {self.max_blocks})")
+        note = notification[:self._NOTE * 8]
+        tag, self._next_tag = self._next_tag, self._next_tag + 1
+        header = torch.zeros(self._header_size(), dtype=torch.int64)
+        header[:4] = torch.tensor([tag, self.rank, len(remote_blocks), len(note)])
+        header[4:4 + self._NOTE] = torch.frombuffer(bytearray(note.ljust(self._NOTE * 8, b"\0")), dtype=torch.int64)
+        header[4 + self._NOTE:4 + self._NOTE + len(remote_blocks)] = torch.tensor(remote_blocks, dtype=torch.int64)
+        src = self._peers[peer]
+        handle: dict[str, Any] = {"state": "PROC", "blocks": list(local_blocks)}
+        shape = (2, self.pool.k.shape[0], len(remote_blocks), *self.pool.k.shape[2:])
+        buffer = torch.empty(shape, dtype=self.pool.k.dtype)
+        # The receive is posted before the header leaves, so the reply always has somewhere to land.
+        receive = self.dist.irecv(buffer, src=src, tag=tag) if remote_blocks else None
+        send = self.dist.isend(header, dst=src)
+
+        def wait() -> None:
+            try:
+                send.wait()
+                if receive is not None:
+                    receive.wait()
+                handle["buffer"] = buffer
+                handle["state"] = "RECEIVED"
+            except RuntimeError:
+                handle["state"] = "ERR"
+
+        threading.Thread(target=wait, name=f"{self.agent_name}-kv-read-{tag}", daemon=True).start()
+        return handle
+
+    def poll(self, handle: Any) -> str:
+        """``"DONE"`` once the blocks are written into ours, ``"PROC"`` before, ``"ERR"`` if the peer failed."""
+        import torch
+
+        state = handle["state"]
+        if state != "RECEIVED":
+            return state
+        if handle["blocks"]:
+            index = torch.tensor(handle["blocks"], dtype=torch.long)
+            self.pool.k[:, index] = handle["buffer"][0]
+            self.pool.v[:, index] = handle["buffer"][1]
+        handle["state"] = "DONE"
+        return "DONE"
+
+    def _serve(self) -> None:
+        """Owner side, in its own thread: answer every header, then note that the read is done."""
+        import torch
+
+        while True:
+            header = torch.zeros(self._header_size(), dtype=torch.int64)
+            try:
+                self.dist.irecv(header).wait()  # from any rank
+                tag, requester, count, note_len = (int(x) for x in header[:4])
+                note = header[4:4 + self._NOTE].numpy().tobytes()[:note_len]
+                blocks = header[4 + self._NOTE:4 + self._NOTE + count].tolist()
+                if blocks:
+                    index = torch.tensor(blocks, dtype=torch.long)
+                    packed = torch.stack((self.pool.k[:, index], self.pool.v[:, index])).contiguous()
+                    self.dist.isend(packed, dst=requester, tag=tag).wait()
+            except RuntimeError:
+                return  # the group is broken (a peer died): transfers under way run into their lease
+            with self._lock:
+                self._notes.append(note)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Tell ``peer`` its blocks will not be read: an empty read that only delivers the notification."""
+        self.start_read(peer, [], [], message)
+
+    def notifications(self) -> list[bytes]:
+        """Notifications of reads of our blocks that completed since the last call."""
+        with self._lock:
+            notes, self._notes = self._notes, []
+        return notes
+
+
+TRANSPORTS = {"nixl": NixlTransport, "torch": TorchDistributedTransport}

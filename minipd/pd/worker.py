@@ -39,7 +39,7 @@ class _RemoteLoad:
 
 
 def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
-               kv_lease_s: float, threads: int | None) -> None:
+               kv_lease_s: float, threads: int | None, transport: dict) -> None:
     """Entry point of a spawned worker process."""
     import torch
     import zmq
@@ -61,14 +61,18 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
 
     try:
         from minipd.llm import LLM
-        from minipd.pd.transport import NixlTransport
+        from minipd.pd.transport import NixlTransport, TorchDistributedTransport
 
         llm = LLM(model, **llm_options)
         core = llm.engine.core
-        transport = NixlTransport(name, core.pool)
-        send({"kind": "ready", "pid": os.getpid(), "peer": transport.peer_info(),
+        if transport["name"] == "nixl":
+            kv = NixlTransport(name, core.pool)
+        else:
+            kv = TorchDistributedTransport(name, core.pool, transport["rank"], transport["world_size"],
+                                           transport["address"], -(-core.max_model_len // core.config.block_size))
+        send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
               "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
-        _Worker(role, core, transport, send, kv_lease_s).serve(pull, lambda: os.getppid() == parent)
+        _Worker(role, core, kv, send, kv_lease_s).serve(pull, lambda: os.getppid() == parent)
     except Exception as err:
         send({"kind": "error", "message": f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"})
     finally:
