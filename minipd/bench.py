@@ -6,7 +6,9 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
   throughput against HF padded ``generate`` and HF continuous batching (``generate_batch``'s manager);
 - ``single``: one stream of 256 new tokens: TPOT against HF ``generate``;
 - ``shared-prefix``: 32 requests sharing a 256-token prefix: prefill tokens computed and mean TTFT
-  with prefix caching on and off.
+  with prefix caching on and off;
+- ``pd`` (run on its own): prefill/decode interference, colocated against split workers
+  (:mod:`minipd.bench_pd`).
 
 ``--scale`` shrinks every workload (request counts and lengths) for a quick look.
 """
@@ -177,12 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print each comparison with its ratio and target."""
     parser = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py")
-    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "all"], default="all")
+    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "all"], default="all",
+                        help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF's continuous batching baseline")
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error("--scale must be in (0, 1]")
+    if args.workload == "pd":
+        from minipd.bench_pd import main as pd_main
+
+        return pd_main(args.model, args.scale)
 
     from transformers import AutoModelForCausalLM
 

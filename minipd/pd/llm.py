@@ -156,6 +156,7 @@ class DisaggregatedLLM:
         #: Requests held back before prefill because no decode worker had room for them (backpressure).
         self.num_backpressured = 0
         self._backlog: list[_Flight] = []
+        self._deltas: list[StreamDelta] = []  # produced by the pump since the last step()
         self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
                     start_timeout, llm_options)
         atexit.register(self.shutdown)
@@ -450,7 +451,8 @@ class DisaggregatedLLM:
         return produced < flight.request.params.max_tokens and total < self.max_model_len
 
     def _deliver(self, flight: _Flight, out: EngineCoreOutput, timestamp: float) -> None:
-        _, to_abort = self.processor.process(EngineCoreOutputs([out], timestamp))
+        deltas, to_abort = self.processor.process(EngineCoreOutputs([out], timestamp))
+        self._deltas.extend(deltas)
         worker = self._workers[flight.worker]
         if to_abort:  # a stop string: the worker must end it too
             self._send(worker, ("abort", to_abort, FinishReason.STOP))
@@ -489,6 +491,7 @@ class DisaggregatedLLM:
         states = [self._submit(ids, text, sp) for (ids, text), sp in zip(encoded, params, strict=True)]
         while not all(s.finished for s in states):
             self._pump()
+            self._deltas.clear()  # nobody steps this call's requests but generate itself
         return [s.to_output() for s in states]
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
@@ -508,6 +511,27 @@ class DisaggregatedLLM:
                 if delta.finished:
                     return
             self._pump()
+            self._deltas.clear()
+
+    def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> str:
+        """Check and send one prompt now; returns its id. Follow it with :meth:`step` (as ``Engine`` is followed)."""
+        prompts = normalize_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"add_request takes one prompt, got {len(prompts)}")
+        (params,) = normalize_params(sampling_params, 1)
+        ids, text = self._encode(prompts[0], 0)
+        self._check_fits(ids, params, 0)
+        return self._submit(ids, text, params).request_id
+
+    def step(self, timeout: float = 0.05) -> list[StreamDelta]:
+        """Take what the workers sent (waiting up to ``timeout``); return the deltas it produced."""
+        self._pump(timeout)
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is in flight."""
+        return bool(self._flights)
 
     def worker_stats(self, timeout: float = 10.0) -> dict[str, dict]:
         """Each live worker's KV blocks used and free and its live requests (asked now)."""

@@ -93,8 +93,14 @@ class _Worker:
         while True:
             sched = self.core.scheduler
             busy = bool(sched.running or sched.waiting)  # something can compute now
-            watching = bool(self.remote or self.held_since)
-            timeout_ms = 0 if busy else int(POLL_INTERVAL * 1000) if watching else 1000
+            # Reads under way are watched closely (their end is a request's start of decode); held
+            # blocks only need their lease checked.
+            if busy:
+                timeout_ms = 0
+            elif self.remote:
+                timeout_ms = 1
+            else:
+                timeout_ms = int(POLL_INTERVAL * 1000) if self.held_since else 1000
             while pull.poll(timeout_ms):
                 if not self.handle(pickle.loads(pull.recv())):
                     return

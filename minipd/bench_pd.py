@@ -1,0 +1,185 @@
+"""``python -m minipd bench --workload pd``: prefill/decode interference, colocated against split.
+
+A steady decode load (short prompts, long outputs) runs while bursts of long prompts arrive, on the
+same wall-clock schedule for every system:
+
+- ``colocated``: one engine (``LLM``) with both cores, a whole prompt per step;
+- ``colocated, chunked``: the same engine with a small token budget (chunked prefill, the colocated answer);
+- ``split``: ``DisaggregatedLLM`` with one prefill and one decode worker, one core each.
+
+Reported per system: P50/P99 time per output token of the steady requests (every gap between two
+tokens), P50/P99 time to first token of the long prompts, and throughput; then the split/colocated
+ratio of P99 TPOT (goal: ≤ 0.5). The variants are interleaved and repeated; min and median are
+printed. A second table gives KV bytes and transfer time per request against prompt length.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minipd.sampling_params import SamplingParams
+
+
+@dataclass
+class Arrival:
+    """One request of the schedule: when it arrives (seconds from the start), its prompt and length."""
+
+    at: float
+    prompt: list[int]
+    max_tokens: int
+    steady: bool
+
+
+def schedule(vocab_size: int, scale: float = 1.0, seed: int = 0) -> list[Arrival]:
+    """Steady requests at t=0, then bursts of long prompts every 0.6 s."""
+    import random
+
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1, vocab_size) for _ in range(max(2, int(n * scale)))]
+
+    steady = [Arrival(0.0, prompt(32), max(8, int(160 * scale)), True) for _ in range(6)]
+    bursts = [Arrival(0.3 + 0.6 * b, prompt(768), 4, False) for b in range(3) for _ in range(3)]
+    return steady + bursts
+
+
+@dataclass
+class Run:
+    """One system's run of the schedule."""
+
+    system: str
+    tpot: list[float]
+    ttft: list[float]
+    seconds: float
+    output_tokens: int
+
+    def pct(self, values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def drive(add: Callable[[list[int], SamplingParams], str], step: Callable[[], object],
+          unfinished: Callable[[], bool], outputs: Callable[[str], object], arrivals: list[Arrival],
+          system: str) -> Run:
+    """Feed ``arrivals`` on the wall clock into a system and step it until everything is done."""
+    start = time.perf_counter()
+    ids: list[tuple[str, Arrival]] = []
+    pending = sorted(arrivals, key=lambda a: a.at)
+    while pending or unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].at <= now:
+            a = pending.pop(0)
+            ids.append((add(a.prompt, SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)), a))
+        if unfinished():
+            step()
+        else:
+            time.sleep(0.001)
+    seconds = time.perf_counter() - start
+    tpot, ttft, produced = [], [], 0
+    for request_id, a in ids:
+        out = outputs(request_id)
+        m = out.metrics  # type: ignore[attr-defined]
+        produced += len(out.token_ids)  # type: ignore[attr-defined]
+        if a.steady:
+            tpot += m.inter_token_latencies
+        elif m.ttft is not None:
+            ttft.append(m.ttft)
+    return Run(system, tpot, ttft, seconds, produced)
+
+
+def run_colocated(llm, arrivals: list[Arrival], system: str) -> Run:
+    """The schedule on one engine, stepped in this process."""
+    engine = llm.engine
+    states = {}
+
+    def add(prompt: list[int], params: SamplingParams) -> str:
+        state = engine.make_request(prompt, params)
+        engine.add(state)
+        states[state.request_id] = state
+        return state.request_id
+
+    return drive(add, engine.step, engine.has_unfinished_requests, lambda rid: states[rid].to_output(), arrivals,
+                 system)
+
+
+def run_split(pd, arrivals: list[Arrival]) -> Run:
+    """The schedule on a DisaggregatedLLM."""
+    states = {}
+
+    def add(prompt: list[int], params: SamplingParams) -> str:
+        request_id = pd.add_request(prompt, params)
+        states[request_id] = pd.processor.states[request_id]
+        return request_id
+
+    return drive(add, lambda: pd.step(0.002), pd.has_unfinished_requests, lambda rid: states[rid].to_output(),
+                 arrivals, "split (1 prefill + 1 decode worker)")
+
+
+def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
+    """Run the interference and transfer measurements and print them."""
+    import torch
+
+    from minipd import LLM, DisaggregatedLLM
+
+    torch.set_num_threads(2)
+    colocated = LLM(model)
+    chunked = LLM(model, max_num_batched_tokens=64)
+    arrivals = schedule(colocated.config.vocab_size, scale)
+    runs: dict[str, list[Run]] = {}
+    with DisaggregatedLLM(model, threads_per_worker=1) as pd:
+        warm = [[5] * 16]
+        colocated.generate(warm, SamplingParams(max_tokens=4))
+        chunked.generate(warm, SamplingParams(max_tokens=4))
+        pd.generate(warm, SamplingParams(max_tokens=4))
+        for _ in range(rounds):  # interleaved, so a noisy moment hits every system alike
+            for run in (run_colocated(colocated, arrivals, "colocated"),
+                        run_colocated(chunked, arrivals, "colocated, chunked prefill (64-token budget)"),
+                        run_split(pd, arrivals)):
+                runs.setdefault(run.system, []).append(run)
+        transfer = measure_transfer(pd, colocated.config.vocab_size, scale)
+    print(f"\n[pd] {sum(a.steady for a in arrivals)} steady requests, bursts of {sum(not a.steady for a in arrivals)} "
+          f"long prompts; {rounds} interleaved rounds, min / median of each figure")
+    print(f"  {'system':48} {'TPOT P50':>10} {'TPOT P99':>10} {'TTFT P50':>10} {'TTFT P99':>10} {'tok/s':>8}")
+    summary = {}
+    for system, rs in runs.items():
+        figures = {
+            "tpot50": [r.pct(r.tpot, 0.5) * 1e3 for r in rs], "tpot99": [r.pct(r.tpot, 0.99) * 1e3 for r in rs],
+            "ttft50": [r.pct(r.ttft, 0.5) * 1e3 for r in rs], "ttft99": [r.pct(r.ttft, 0.99) * 1e3 for r in rs],
+            "tput": [r.output_tokens / r.seconds for r in rs]}
+        summary[system] = {k: (min(v), statistics.median(v)) for k, v in figures.items()}
+        s = summary[system]
+        print(f"  {system:48} " + " ".join(f"{s[k][0]:6.1f}/{s[k][1]:<5.1f}" if k != "tput" else f"{s[k][1]:8.0f}"
+                                           for k in ("tpot50", "tpot99", "ttft50", "ttft99", "tput")))
+    split, colo = summary["split (1 prefill + 1 decode worker)"], summary["colocated"]
+    ratio = split["tpot99"][1] / colo["tpot99"][1]
+    print(f"  P99 TPOT split / colocated (medians)                   {ratio:5.2f}x   target <= 0.5x  "
+          f"{'met' if ratio <= 0.5 else 'MISSED'}")
+    print(f"  P99 TTFT split / colocated (medians)                   {split['ttft99'][1] / colo['ttft99'][1]:5.2f}x")
+    print("\n[pd transfer] KV moved per request (pull over NIXL), by prompt length")
+    for length, (num_bytes, ms) in transfer.items():
+        print(f"  prompt {length:5d} tokens: {num_bytes / 2**20:7.2f} MiB in {ms:6.2f} ms "
+              f"({num_bytes / max(ms, 1e-6) / 1e6:6.2f} GB/s)")
+    return 0
+
+
+def measure_transfer(pd, vocab_size: int, scale: float) -> dict[int, tuple[int, float]]:
+    """KV bytes and transfer time of one request per prompt length (median of three)."""
+    import random
+
+    rng = random.Random(1)
+    result = {}
+    for length in (64, 256, 1000):
+        n = max(16, int(length * scale))
+        times, moved = [], 0
+        for _ in range(3):
+            prompt = [rng.randrange(1, vocab_size) for _ in range(n)]  # fresh, so no prefix-cache hit
+            (out,) = pd.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            m = out.metrics
+            moved = m.kv_transfer_bytes
+            times.append((m.kv_transfer_end - m.kv_transfer_start) * 1e3 if m.kv_transfer_end else float("nan"))
+        result[n] = (moved, statistics.median(times))
+    return result
