@@ -179,3 +179,19 @@ def test_torch_distributed_transport_gives_the_same_outputs(llm):
         assert moved and all(o.metrics.kv_transfer_bytes > 0 for o in moved)
         wait_until_blocks_free(pd)
     assert_gone(pids)
+
+
+@needs_nixl
+def test_a_read_that_never_completes_runs_into_its_lease_and_is_recomputed(llm):
+    prompts, params = mixed(llm, 8)
+    params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=12, ignore_eos=True) for p in params]
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", kv_lease_s=1.0, start_timeout=120) as pd:
+        pd.inject_fault("decode0", "lose_reads")
+        start = time.monotonic()
+        outputs = pd.generate(prompts, params)
+        assert time.monotonic() - start < 30
+        assert tokens(outputs) == expected
+        assert pd.num_recovered_requests == len(prompts)  # every read was lost; each request was recomputed
+        assert all(o.metrics.kv_transfer_bytes == 0 for o in outputs)
+        wait_until_blocks_free(pd)  # the prefill worker's held copies were freed by their lease

@@ -533,6 +533,15 @@ class DisaggregatedLLM:
         """True while any request is in flight."""
         return bool(self._flights)
 
+    def inject_fault(self, worker: str, fault: str) -> None:
+        """Make a worker misbehave on purpose, to watch recovery: ``"lose_reads"`` (every K/V read the
+        decode worker starts vanishes in flight, so leases must expire and requests be recomputed)."""
+        if fault not in ("lose_reads",):
+            raise ValueError(f"fault must be 'lose_reads', got {fault!r}")
+        if worker not in self._workers:
+            raise ValueError(f"worker must be one of {', '.join(self._workers)}, got {worker!r}")
+        self._send(self._workers[worker], ("fault", fault))
+
     def worker_stats(self, timeout: float = 10.0) -> dict[str, dict]:
         """Each live worker's KV blocks used and free and its live requests (asked now)."""
         asked = {w.name for w in self._workers.values() if w.alive}

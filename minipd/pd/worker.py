@@ -10,7 +10,7 @@ and steps its core while it has work:
   reads them from the prefill worker's blocks into its own once they are allocated, and decodes.
 
 Messages in: ("add", Request), ("add_remote", Request, peer name, peer block ids), ("abort", ids,
-reason), ("release_kv", id), ("add_peer", info), ("stats",), ("shutdown",). Messages out are dicts
+reason), ("release_kv", id), ("add_peer", info), ("stats",), ("fault", name), ("shutdown",). Messages out are dicts
 with a ``kind``: ready, outputs, kv_loaded, kv_failed, stats, error.
 """
 
@@ -25,6 +25,8 @@ from typing import Any
 
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
+#: The handle of a read lost on purpose (fault injection).
+_LOST = object()
 
 
 @dataclass
@@ -87,6 +89,8 @@ class _Worker:
     def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float) -> None:
         self.role, self.core, self.transport, self.send, self.kv_lease_s = role, core, transport, send, kv_lease_s
         self.remote: dict[str, _RemoteLoad] = {}  # decode side: loads by request id
+        #: Faults injected on purpose (tests, the chapter): "lose_reads" makes every read vanish in flight.
+        self.faults: set[str] = set()
         self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
 
     def serve(self, pull: Any, parent_alive: Any) -> None:
@@ -131,6 +135,8 @@ class _Worker:
                 self.core.release_kv(message[1])
             elif kind == "add_peer":
                 self.transport.add_peer(message[1])
+            elif kind == "fault":
+                self.faults.add(message[1])
             elif kind == "stats":
                 bm = self.core.block_manager
                 self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
@@ -190,6 +196,9 @@ class _Worker:
                 if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
                     continue
                 n = -(-request.num_external_tokens // self.core.config.block_size)
+                if "lose_reads" in self.faults:  # the read is started, and never heard of again
+                    load.handle, load.started = _LOST, time.perf_counter()
+                    continue
                 try:
                     load.handle = self.transport.start_read(load.peer, load.remote_blocks[:n],
                                                             request.blocks.block_table[:n], request_id.encode())
@@ -198,7 +207,7 @@ class _Worker:
                     continue
                 load.started, load.num_bytes = time.perf_counter(), n * self.core.kv_spec.bytes_per_block
                 continue
-            state = self.transport.poll(load.handle)
+            state = "PROC" if load.handle is _LOST else self.transport.poll(load.handle)
             if state == "DONE":
                 del self.remote[request_id]
                 self.core.finish_kv_load(request_id)
