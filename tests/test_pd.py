@@ -92,12 +92,13 @@ def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
 
 
 @needs_nixl
-def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm):
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm, mode):
     prompts, params = mixed(llm)
     params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=48, ignore_eos=True)
               for p in params]
     expected = tokens(llm.generate(prompts, params))
-    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_lease_s=2, start_timeout=120) as pd:
+    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_transfer=mode, kv_lease_s=2, start_timeout=120) as pd:
         victim = pd.worker_pids()["decode"][0]
         killer = threading.Timer(1.5, os.kill, (victim, signal.SIGKILL))
         killer.start()
@@ -128,8 +129,10 @@ def test_with_no_decode_worker_left_the_prefill_worker_decodes(llm):
 
 
 def test_bad_arguments_are_refused_before_any_process_starts():
-    with pytest.raises(ValueError, match="kv_transfer must be one of 'pull'"):
-        DisaggregatedLLM("tiny-py", kv_transfer="push")
+    with pytest.raises(ValueError, match="kv_transfer must be one of 'pull', 'push', 'layerwise'"):
+        DisaggregatedLLM("tiny-py", kv_transfer="teleport")
+    with pytest.raises(ValueError, match="needs kv_transport='nixl'"):
+        DisaggregatedLLM("tiny-py", kv_transfer="push", kv_transport="torch")
     with pytest.raises(ValueError, match="num_prefill_workers"):
         DisaggregatedLLM("tiny-py", num_prefill_workers=0)
     with pytest.raises(ValueError, match="unknown engine option"):
@@ -137,10 +140,11 @@ def test_bad_arguments_are_refused_before_any_process_starts():
 
 
 @needs_nixl
-def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm):
+@pytest.mark.parametrize("mode", ["pull", "layerwise"])
+def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm, mode):
     prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
-    with DisaggregatedLLM("tiny-py", num_prefill_workers=2, kv_lease_s=2, start_timeout=120) as pd:
+    with DisaggregatedLLM("tiny-py", num_prefill_workers=2, kv_transfer=mode, kv_lease_s=2, start_timeout=120) as pd:
         victim = pd.worker_pids()["prefill"][1]
         killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
         killer.start()
@@ -195,3 +199,23 @@ def test_a_read_that_never_completes_runs_into_its_lease_and_is_recomputed(llm):
         assert pd.num_recovered_requests == len(prompts)  # every read was lost; each request was recomputed
         assert all(o.metrics.kv_transfer_bytes == 0 for o in outputs)
         wait_until_blocks_free(pd)  # the prefill worker's held copies were freed by their lease
+
+
+@needs_nixl
+@pytest.mark.parametrize("mode", ["push", "layerwise"])
+def test_push_and_layerwise_transfers_give_the_single_engine_outputs(llm, mode):
+    """The decode worker reserves blocks first; the prefill worker writes into them — after the prefill
+    ("push") or layer by layer while the next layer computes ("layerwise"), chunked prefill included."""
+    prompts, params = mixed(llm, 16)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", kv_transfer=mode, max_num_batched_tokens=32, kv_lease_s=20,
+                          start_timeout=120) as pd:
+        outputs = pd.generate(prompts, params)
+        assert tokens(outputs) == expected
+        assert pd.num_recovered_requests == 0
+        moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+        per_block = 2 * llm.config.num_hidden_layers * 16 * llm.config.num_key_value_heads * llm.config.head_dim * 4
+        # Every prompt block arrives; layer-wise, a partly filled block is sent again with the next chunk.
+        assert moved and all(o.metrics.kv_transfer_bytes >= -(-len(o.prompt_token_ids) // 16) * per_block
+                             for o in moved)
+        wait_until_blocks_free(pd)  # reservations of requests that ended at their first token were given back

@@ -27,7 +27,7 @@ from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishRea
 from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
-from minipd.kv.block_manager import BlockManager
+from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.kv.spec import KV_DTYPES, KVSpec
 from minipd.models.decoder import DecoderModel
@@ -67,6 +67,7 @@ class EngineCore:
         self.step_callbacks: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
         self._imports: dict[str, PackedKV] = {}
+        self._reservations: dict[str, BlockAllocation] = {}
 
     def _default_num_blocks(self) -> int:
         cfg = self.config
@@ -133,6 +134,46 @@ class EngineCore:
         if kv is not None:
             self._imports[request.request_id] = kv
         self.scheduler.add(request)
+
+    # ---------------------------------------------------------------------------- reservations
+    def reserve_blocks(self, key: str, num_tokens: int) -> list[int] | None:
+        """Set aside blocks for ``num_tokens`` tokens of K/V that a peer will write (push transfers).
+
+        Returns their ids, or None when the pool has no room now. :meth:`add_reserved` later hands
+        them to the request they were for; :meth:`release_reservation` gives them back.
+        """
+        if key in self._reservations:
+            raise ValueError(f"reservation {key!r} exists already")
+        alloc = BlockAllocation()
+        if not self.block_manager.allocate(alloc, num_tokens):
+            return None
+        self._reservations[key] = alloc
+        return list(alloc.block_table)
+
+    def release_reservation(self, key: str) -> bool:
+        """Give back reserved blocks that no request took; False if there is no such reservation."""
+        alloc = self._reservations.pop(key, None)
+        if alloc is None:
+            return False
+        self.block_manager.free_blocks(alloc)
+        return True
+
+    def add_reserved(self, request: Request, key: str) -> None:
+        """Queue a request whose first ``num_external_tokens`` tokens' K/V were written into reservation ``key``."""
+        alloc = self._reservations.get(key)
+        if alloc is None:
+            raise ValueError(f"no reservation {key!r}")
+        needed = -(-request.num_external_tokens // self.config.block_size)
+        if not 0 < request.num_external_tokens < request.num_tokens or needed > len(alloc.block_table):
+            raise ValueError(f"reservation {key!r} holds {len(alloc.block_table)} blocks; the request needs "
+                             f"{needed} for num_external_tokens={request.num_external_tokens}")
+        self.add_request(request)
+        del self._reservations[key]
+        request.blocks = alloc
+        self.scheduler.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.scheduler.waiting_for_kv[request.request_id] = request
+        self.scheduler.kv_arrived(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str],
                        reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:

@@ -11,6 +11,9 @@ kernel needs is also kept as a Python list, so no layer waits for a device-to-ho
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -74,6 +77,8 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         max_blocks = -(-max_model_len // pool.block_size)
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
+        #: Called as ``layer_hook(batch, layer)`` once each layer's K/V of a step are stored (layer-wise KV transfer).
+        self.layer_hook: Callable[[ScheduledBatch, int], None] | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
                                                       list[Request], list[int]]:
@@ -154,7 +159,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
         """Compute the batch's tokens into the cache; return the requests that got a new token, and the tokens."""
         input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
-        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels), self.kernels)
+        hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
+        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook), self.kernels)
         hidden = self.model(input_ids, positions, context)
         if not to_sample:
             return [], []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +39,22 @@ class PagedAttentionMetadata:
 class PagedKVCache:
     """Implements the model's cache interface over a :class:`PagedKVPool` for one step."""
 
-    def __init__(self, pool: PagedKVPool, metadata: PagedAttentionMetadata, kernels: KernelBackend) -> None:
+    def __init__(self, pool: PagedKVPool, metadata: PagedAttentionMetadata, kernels: KernelBackend,
+                 on_layer_stored: Callable[[int], None] | None = None) -> None:
         self.pool = pool
         self.metadata = metadata
         self.kernels = kernels
+        #: Called with a layer's index as soon as its K/V for this step are in the pool (a KV connector
+        #: sends that layer while the next one computes).
+        self.on_layer_stored = on_layer_stored
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None) -> torch.Tensor:
         md, kernels = self.metadata, self.kernels
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping, has_padding=False)
+        if self.on_layer_stored is not None:
+            self.on_layer_stored(layer_idx)
         num_decode = md.num_decode_tokens
         if num_decode == q.shape[0]:
             return self._decode(q, k_cache, v_cache, scale, sliding_window)

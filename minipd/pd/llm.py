@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -47,7 +48,8 @@ from minipd.pd.worker import run_worker
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
-KV_TRANSFERS = ("pull",)
+KV_TRANSFERS = ("pull", "push", "layerwise")
+logger = logging.getLogger("minipd")
 
 
 def _free_port() -> int:
@@ -89,9 +91,12 @@ class _Flight:
     state: RequestState
     request: Request
     worker: str = ""
-    phase: str = "prefill"  # "prefill", then "decode"
+    phase: str = "prefill"  # ("reserving", then) "prefill", then "decode"
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    #: Push modes: the decode worker whose reserved blocks receive the prompt's K/V, and whether they have.
+    dest: str = ""
+    kv_done: bool = False
 
 
 class DisaggregatedLLM:
@@ -118,8 +123,7 @@ class DisaggregatedLLM:
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
                  **llm_options: Any) -> None:
         if kv_transfer not in KV_TRANSFERS:
-            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))} ('push' and "
-                             f"'layerwise' are not built yet), got {kv_transfer!r}")
+            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {kv_transfer!r}")
         for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
                                    ("num_decode_workers", num_decode_workers, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -132,6 +136,9 @@ class DisaggregatedLLM:
             raise ValueError(f"kv_transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {kv_transport!r}")
         if kv_transport == "nixl" and nixl_available() is not None:
             raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
+        if kv_transport == "torch" and kv_transfer != "pull":
+            raise ValueError(f"kv_transfer={kv_transfer!r} writes into another worker's memory, which needs "
+                             "kv_transport='nixl'; the torch transport supports 'pull'")
         self.kv_transport = kv_transport
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
@@ -192,7 +199,8 @@ class DisaggregatedLLM:
             # Every worker learns every other (readers their sources; sources, for torch, their readers).
             for worker in self._workers.values():
                 for peer in self._workers.values():
-                    if peer is not worker and (worker.role == "decode" or self.kv_transport == "torch"):
+                    if peer is not worker and (worker.role == "decode" or self.kv_transport == "torch"
+                                               or self.kv_transfer != "pull"):
                         self._send(worker, ("add_peer", peer.peer))
         except BaseException:
             self.shutdown()
@@ -335,19 +343,50 @@ class DisaggregatedLLM:
         workers = self._role("prefill")
         if not workers:
             return self._to_decode(flight, recompute=True)
-        worker = min(workers, key=lambda w: len(w.requests))
+        decoders = self._role("decode")
+        if self.kv_transfer != "pull" and decoders:
+            # Push modes: first reserve blocks on a decode worker, then prefill straight into them.
+            dest = max(decoders, key=lambda w: w.free_blocks)
+            dest.free_blocks -= self._blocks_for(flight)
+            flight.phase, flight.dest, flight.kv_done = "reserving", dest.name, False
+            dest.requests.add(flight.request.request_id)
+            self._send(dest, ("reserve", flight.request.request_id, len(flight.request.all_token_ids)))
+            return None
+        return self._prefill_on(flight, min(workers, key=lambda w: len(w.requests)))
+
+    def _prefill_on(self, flight: _Flight, worker: _Worker, dest_blocks: list[int] | None = None) -> None:
         # The prefill worker samples only the first token, then keeps the prompt's K/V for the reader.
         first_only = dataclasses.replace(flight.request, params=dataclasses.replace(flight.request.params,
                                                                                    max_tokens=1),
                                          hold_kv=bool(self._role("decode")), all_token_ids=list(
                                              flight.request.all_token_ids))
         self._assign(flight, worker, "prefill")
-        self._send(worker, ("add", first_only))
+        if dest_blocks is None:
+            self._send(worker, ("add", first_only))
+        else:
+            self._send(worker, ("add_push", first_only, flight.dest, dest_blocks, self.kv_transfer == "layerwise"))
         return None
+
+    def _on_reserved(self, flight: _Flight, blocks: list[int] | None) -> None:
+        dest = self._workers[flight.dest]
+        dest.requests.discard(flight.request.request_id)
+        workers = self._role("prefill")
+        if blocks is None or not workers:  # no room after all (or no prefill worker): wait, or go on without
+            flight.phase, flight.dest = "prefill", ""
+            if blocks is not None:
+                self._send(dest, ("release_reservation", flight.request.request_id))
+            if not workers:
+                return self._to_decode(flight, recompute=True)
+            self.num_backpressured += 1
+            self._backlog.insert(0, flight)
+            return None
+        return self._prefill_on(flight, min(workers, key=lambda w: len(w.requests)), blocks)
 
     def _to_decode(self, flight: _Flight, recompute: bool, peer: str = "", blocks: Sequence[int] = ()) -> None:
         """Continue a request on a decode worker: reading its K/V from ``peer``, or recomputing its tokens."""
         state = flight.state
+        if recompute:  # no transfer to wait for: anything still reported about one is stale
+            flight.kv_done, flight.dest = True, ""
         tokens = [*state.prompt_token_ids, *state.token_ids]
         request = dataclasses.replace(flight.request, all_token_ids=tokens, hold_kv=False,
                                       num_external_tokens=0 if recompute else len(state.prompt_token_ids))
@@ -400,17 +439,32 @@ class DisaggregatedLLM:
             held = message["held"]
             for out in message["outputs"].outputs:
                 self._on_output(worker, out, message["outputs"].timestamp, held.get(out.request_id))
+        elif kind == "reserved":
+            flight = self._flights.get(message["request_id"])
+            if flight is None or flight.phase != "reserving":
+                if message["blocks"] is not None:
+                    self._send(worker, ("release_reservation", message["request_id"]))
+            else:
+                self._on_reserved(flight, message["blocks"])
         elif kind == "kv_loaded":
             flight = self._flights.get(message["request_id"])
             if flight is not None:
+                flight.kv_done = True
                 m = flight.state.metrics
                 m.kv_transfer_bytes += message["bytes"]
                 m.kv_transfer_start, m.kv_transfer_end = message["start"], message["end"]
         elif kind == "kv_failed":
             flight = self._flights.get(message["request_id"])
-            if flight is not None:
-                self.num_recovered_requests += 1
-                self._to_decode(flight, recompute=True)
+            if flight is not None and not flight.kv_done:
+                flight.kv_done = True  # whatever else comes for this transfer is stale
+                if flight.phase == "decode":
+                    self.num_recovered_requests += 1
+                    if flight.dest and self._workers[flight.dest].alive:
+                        self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+                    flight.dest = ""
+                    self._to_decode(flight, recompute=True)
+        elif kind == "warning":
+            logger.warning("%s: %s", message["worker"], message["message"])
         elif kind == "error":
             request_id = message.get("request_id")
             flight = self._flights.pop(request_id, None) if request_id else None
@@ -431,18 +485,38 @@ class DisaggregatedLLM:
             out = dataclasses.replace(out, finish_reason=None)
             self._deliver(flight, out, timestamp)
             if not flight.state.finished:
-                if held is not None:
+                if flight.dest and self._workers[flight.dest].alive:
+                    self._adopt(flight)
+                elif held is not None:
                     self._to_decode(flight, recompute=False, peer=worker.name, blocks=held)
                 else:
                     self._to_decode(flight, recompute=True)
-            elif held is not None:
-                self._send(worker, ("release_kv", out.request_id))
+            else:
+                self._let_go(flight, worker, held)
             return
-        if held is not None:
+        if flight.phase == "prefill":
+            self._let_go(flight, worker, held)
+        elif held is not None:
             self._send(worker, ("release_kv", out.request_id))
         out = dataclasses.replace(out, num_prefill_tokens=out.num_prefill_tokens + flight.prefill_tokens,
                                   num_cached_tokens=out.num_cached_tokens + flight.cached_tokens)
         self._deliver(flight, out, timestamp)
+
+    def _adopt(self, flight: _Flight) -> None:
+        """Push modes: the decode worker takes the request into the blocks the prefill worker writes into."""
+        state, dest = flight.state, self._workers[flight.dest]
+        request = dataclasses.replace(flight.request, all_token_ids=[*state.prompt_token_ids, *state.token_ids],
+                                      hold_kv=False, num_external_tokens=len(state.prompt_token_ids))
+        self._assign(flight, dest, "decode")
+        self._send(dest, ("adopt", request))
+
+    def _let_go(self, flight: _Flight, worker: _Worker, held: list[int] | None) -> None:
+        """A request ended at its first token: free what was kept for its decode."""
+        if held is not None:
+            self._send(worker, ("release_kv", flight.request.request_id))
+        if flight.dest and self._workers[flight.dest].alive:
+            self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+        flight.dest = ""
 
     def _continues(self, flight: _Flight, out: EngineCoreOutput) -> bool:
         """Whether a prefill that ended by length (its forced max_tokens=1) still has tokens to produce."""
@@ -466,7 +540,11 @@ class DisaggregatedLLM:
         worker.requests.clear()
         self.num_recovered_requests += len(orphans)
         for flight in orphans:
-            if flight.phase == "prefill":
+            if flight.dest and flight.dest != worker.name and self._workers[flight.dest].alive:
+                # Its prefill worker died: the decode worker's reservation will never be filled.
+                self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+            flight.dest, flight.kv_done = "", True
+            if flight.phase in ("prefill", "reserving"):
                 self._to_prefill(flight)
             else:
                 self._to_decode(flight, recompute=True)

@@ -55,10 +55,11 @@ class PoolLayout:
         return cls(pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape[0], pool.k.shape[1], block_bytes, device_id,
                    "VRAM" if cuda else "DRAM")
 
-    def descriptors(self, block_ids: list[int]) -> np.ndarray:
-        """(layers * 2 * blocks, 3) rows of (address, length, device) for these blocks, K then V per layer."""
+    def descriptors(self, block_ids: list[int], layers: list[int] | None = None) -> np.ndarray:
+        """(layers * 2 * blocks, 3) rows of (address, length, device) for these blocks (all layers by default)."""
         blocks = np.asarray(block_ids, dtype=np.uint64)
-        layers = np.arange(self.num_layers, dtype=np.uint64)[:, None]
+        chosen = range(self.num_layers) if layers is None else layers
+        layers = np.asarray(chosen, dtype=np.uint64)[:, None]
         offsets = (layers * np.uint64(self.num_blocks) + blocks[None, :]) * np.uint64(self.block_bytes)
         addresses = np.concatenate([np.uint64(self.k_address) + offsets, np.uint64(self.v_address) + offsets],
                                    axis=1).reshape(-1)
@@ -109,6 +110,20 @@ class NixlTransport:
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError(f"NIXL could not start reading {len(remote_blocks)} blocks from {peer!r}")
+        return handle
+
+    def start_write(self, peer: str, local_blocks: list[int], remote_blocks: list[int],
+                    layers: list[int] | None = None) -> Any:
+        """Start copying our ``local_blocks`` (of ``layers``, all by default) into ``peer``'s ``remote_blocks``."""
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError(f"{len(local_blocks)} blocks to write into {len(remote_blocks)}")
+        layout = self._peers[peer]
+        local = self.agent.get_xfer_descs(self.layout.descriptors(local_blocks, layers), self.layout.mem_type)
+        remote = self.agent.get_xfer_descs(layout.descriptors(remote_blocks, layers), layout.mem_type)
+        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, b"")
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL could not start writing {len(local_blocks)} blocks to {peer!r}")
         return handle
 
     def poll(self, handle: Any) -> str:

@@ -16,6 +16,7 @@ with a ``kind``: ready, outputs, kv_loaded, kv_failed, stats, error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -27,6 +28,24 @@ from typing import Any
 POLL_INTERVAL = 0.005
 #: The handle of a read lost on purpose (fault injection).
 _LOST = object()
+
+
+@dataclass
+class _Push:
+    """A prefill-side request whose K/V this worker writes into a decode worker's reserved blocks."""
+
+    peer: str
+    remote_blocks: list[int]
+    layerwise: bool
+    next_block: int = 0  # first block not yet written in full (layer-wise)
+    handles: list = None  # type: ignore[assignment]
+    started: float = 0.0
+    num_bytes: int = 0
+    prefilled: bool = False
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        self.handles = []
 
 
 @dataclass
@@ -91,6 +110,11 @@ class _Worker:
         self.remote: dict[str, _RemoteLoad] = {}  # decode side: loads by request id
         #: Faults injected on purpose (tests, the chapter): "lose_reads" makes every read vanish in flight.
         self.faults: set[str] = set()
+        self.pushes: dict[str, _Push] = {}  # prefill side, push modes: writes by request id
+        self.reserved_at: dict[str, float] = {}  # decode side, push modes: reservations by request id
+        self.pushed: set[str] = set()  # decode side: reservations whose K/V have all been written
+        self.adopt: dict[str, Any] = {}  # decode side: requests waiting for their K/V to be written
+        core.runner.layer_hook = self.on_layer_stored
         self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
 
     def serve(self, pull: Any, parent_alive: Any) -> None:
@@ -101,7 +125,7 @@ class _Worker:
             # blocks only need their lease checked.
             if busy:
                 timeout_ms = 0
-            elif self.remote:
+            elif self.remote or self.pushes or self.reserved_at:
                 timeout_ms = 1
             else:
                 timeout_ms = int(POLL_INTERVAL * 1000) if self.held_since else 1000
@@ -111,7 +135,10 @@ class _Worker:
                 timeout_ms = 0
             if not parent_alive():
                 return  # the front end is gone: nobody to serve
-            self.watch_transfers()
+            try:
+                self.watch_transfers()
+            except Exception as err:  # a transport fault must not take the worker (and its requests) down
+                self.send({"kind": "warning", "message": f"{type(err).__name__}: {err}"})
             if self.core.has_unfinished_requests():
                 outputs = self.core.step()
                 self.report(outputs)
@@ -137,6 +164,20 @@ class _Worker:
                 self.transport.add_peer(message[1])
             elif kind == "fault":
                 self.faults.add(message[1])
+            elif kind == "add_push":
+                request, peer, blocks, layerwise = message[1:]
+                self.core.add_request(request)
+                self.pushes[request.request_id] = _Push(peer, list(blocks), layerwise)
+            elif kind == "reserve":
+                blocks = self.core.reserve_blocks(message[1], message[2])
+                if blocks is not None:
+                    self.reserved_at[message[1]] = time.monotonic()
+                self.send({"kind": "reserved", "request_id": message[1], "blocks": blocks})
+            elif kind == "adopt":
+                self.adopt[message[1].request_id] = message[1]
+                self.adopt_arrived()
+            elif kind == "release_reservation":
+                self.drop_reservation(message[1])
             elif kind == "stats":
                 bm = self.core.block_manager
                 self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
@@ -148,13 +189,98 @@ class _Worker:
             self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
         return True
 
+    # ------------------------------------------------------------------ push and layer-wise transfers
+    def on_layer_stored(self, batch: Any, layer: int) -> None:
+        """Layer-wise: write this layer's blocks of the step's pushed requests while the next layer computes."""
+        if not self.pushes:
+            return
+        bs = self.core.config.block_size
+        last_layer = layer == self.core.kv_spec.num_layers - 1
+        for request, n in batch.entries:
+            push = self.pushes.get(request.request_id)
+            if push is None or not push.layerwise:
+                continue
+            # Blocks this step touched, and any before them not yet sent (a prefix-cache hit's blocks).
+            end = min(-(-(request.num_computed_tokens + n) // bs), len(push.remote_blocks))
+            table = request.blocks.block_table
+            if end > push.next_block and not push.failed:
+                if not push.started:
+                    push.started = time.perf_counter()
+                try:  # a failed write must not fail the forward pass of every other request
+                    push.handles.append(self.transport.start_write(push.peer, table[push.next_block:end],
+                                                                   push.remote_blocks[push.next_block:end], [layer]))
+                except Exception:
+                    push.failed = True
+                    continue
+                push.num_bytes += (end - push.next_block) * self.core.kv_spec.bytes_per_block // \
+                    self.core.kv_spec.num_layers
+            if last_layer:  # the partly filled last block is written again with the next chunk
+                push.next_block = (request.num_computed_tokens + n) // bs
+
+    def watch_pushes(self) -> None:
+        from minipd.engine.request import RequestStatus
+
+        for request_id, push in list(self.pushes.items()):
+            request = self.core.requests.get(request_id)
+            if not push.prefilled:
+                if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
+                    if request is None:  # aborted
+                        del self.pushes[request_id]
+                    continue
+                push.prefilled = True
+                if not push.layerwise:  # the whole prompt, all layers, in one transfer after the step
+                    n = min(len(request.blocks.block_table), len(push.remote_blocks))
+                    push.started = time.perf_counter()
+                    try:
+                        push.handles.append(self.transport.start_write(push.peer, request.blocks.block_table[:n],
+                                                                       push.remote_blocks[:n]))
+                    except Exception:
+                        push.failed = True
+                    push.num_bytes = n * self.core.kv_spec.bytes_per_block
+            states = [self.transport.poll(h) for h in push.handles]
+            push.handles = [h for h, st in zip(push.handles, states, strict=True) if st == "PROC"]
+            expired = time.perf_counter() - (push.started or time.perf_counter()) > self.kv_lease_s
+            failed = push.failed or "ERR" in states or expired
+            if failed or not push.handles:
+                del self.pushes[request_id]
+                self.held_since.pop(request_id, None)
+                self.core.release_kv(request_id)
+                if failed:
+                    self.send({"kind": "kv_failed", "request_id": request_id, "message": "push failed"})
+                else:
+                    try:
+                        self.transport.notify(push.peer, request_id.encode())
+                    except Exception:  # the reader is gone: the front end recomputes the request
+                        self.send({"kind": "kv_failed", "request_id": request_id, "message": "reader gone"})
+                        continue
+                    self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": push.num_bytes,
+                               "start": push.started, "end": time.perf_counter()})
+
+    def adopt_arrived(self) -> None:
+        """Decode side: admit each request whose K/V have all been written into its reservation."""
+        for request_id in [r for r in self.adopt if r in self.pushed]:
+            self.pushed.discard(request_id)
+            self.reserved_at.pop(request_id, None)
+            try:
+                self.core.add_reserved(self.adopt.pop(request_id), request_id)
+            except ValueError as err:
+                self.core.release_reservation(request_id)
+                self.send({"kind": "kv_failed", "request_id": request_id, "message": str(err)})
+
+    def drop_reservation(self, request_id: str) -> None:
+        self.reserved_at.pop(request_id, None)
+        self.pushed.discard(request_id)
+        self.adopt.pop(request_id, None)
+        self.core.release_reservation(request_id)
+
     def report(self, outputs: Any) -> None:
         from minipd.engine.request import RequestStatus
 
         held = {}
         for out in outputs.outputs:
             request = self.core.requests.get(out.request_id)
-            if request is not None and request.status is RequestStatus.FINISHED_HOLDING_KV:
+            if request is not None and request.status is RequestStatus.FINISHED_HOLDING_KV \
+                    and out.request_id not in self.pushes:  # pushed K/V are freed here once written
                 held[out.request_id] = list(request.blocks.block_table)
                 self.held_since[out.request_id] = time.monotonic()
         if outputs.outputs or held:
@@ -172,11 +298,20 @@ class _Worker:
         from minipd.engine.request import FinishReason, RequestStatus
 
         now = time.monotonic()
-        # Prefill side: a finished read frees the blocks at once; an expired lease frees them anyway.
+        self.watch_pushes()
+        # Prefill side (pull): a finished read frees the blocks at once; an expired lease frees them anyway.
+        # Decode side (push): the writer's notification says a reservation is filled.
         for message in self.transport.notifications():
             request_id = message.decode()
             if self.held_since.pop(request_id, None) is not None:
                 self.core.release_kv(request_id)
+            elif request_id in self.reserved_at:
+                self.pushed.add(request_id)
+        self.adopt_arrived()
+        for request_id, since in list(self.reserved_at.items()):
+            if now - since > self.kv_lease_s and request_id not in self.pushed:
+                self.drop_reservation(request_id)
+                self.send({"kind": "kv_failed", "request_id": request_id, "message": "reservation expired"})
         for request_id, since in list(self.held_since.items()):
             if now - since > self.kv_lease_s:
                 del self.held_since[request_id]
@@ -191,7 +326,8 @@ class _Worker:
                 if request.status is RequestStatus.RUNNING:
                     # The local prefix cache already had the prompt: nothing to read; the sender may free its copy.
                     del self.remote[request_id]
-                    self.transport.notify(load.peer, request_id.encode())
+                    with contextlib.suppress(Exception):  # a sender that is gone frees by its lease
+                        self.transport.notify(load.peer, request_id.encode())
                     continue
                 if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
                     continue
