@@ -140,7 +140,11 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
                         run_colocated(chunked, arrivals, "colocated, chunked prefill (64-token budget)"),
                         run_split(pd, arrivals)):
                 runs.setdefault(run.system, []).append(run)
-        transfer = measure_transfer(pd, colocated.config.vocab_size, scale)
+    transfer = {}
+    for mode in ("pull", "push", "layerwise"):
+        with DisaggregatedLLM(model, threads_per_worker=1, kv_transfer=mode) as pd:
+            pd.generate([[5] * 16], SamplingParams(max_tokens=2))
+            transfer[mode] = measure_transfer(pd, colocated.config.vocab_size, scale)
     print(f"\n[pd] {sum(a.steady for a in arrivals)} steady requests, bursts of {sum(not a.steady for a in arrivals)} "
           f"long prompts; {rounds} interleaved rounds, min / median of each figure")
     print(f"  {'system':48} {'TPOT P50':>10} {'TPOT P99':>10} {'TTFT P50':>10} {'TTFT P99':>10} {'tok/s':>8}")
@@ -159,27 +163,37 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
     print(f"  P99 TPOT split / colocated (medians)                   {ratio:5.2f}x   target <= 0.5x  "
           f"{'met' if ratio <= 0.5 else 'MISSED'}")
     print(f"  P99 TTFT split / colocated (medians)                   {split['ttft99'][1] / colo['ttft99'][1]:5.2f}x")
-    print("\n[pd transfer] KV moved per request (pull over NIXL), by prompt length")
-    for length, (num_bytes, ms) in transfer.items():
-        print(f"  prompt {length:5d} tokens: {num_bytes / 2**20:7.2f} MiB in {ms:6.2f} ms "
-              f"({num_bytes / max(ms, 1e-6) / 1e6:6.2f} GB/s)")
+    print("\n[pd transfer] KV moved per request over NIXL, by mode and prompt length (median of three)")
+    print(f"  {'mode':10} {'prompt':>7} {'MiB':>8} {'ms':>8} {'GB/s':>7} {'hidden behind compute':>22}")
+    for mode, rows in transfer.items():
+        for length, (num_bytes, ms, hidden) in rows.items():
+            hid = "" if hidden is None else f"{hidden:.0%}"
+            print(f"  {mode:10} {length:7d} {num_bytes / 2**20:8.2f} {ms:8.2f} {num_bytes / max(ms, 1e-6) / 1e6:7.2f} "
+                  f"{hid:>22}")
+    long_layerwise = [h for n, (_, _, h) in transfer["layerwise"].items() if n >= 512 and h is not None]
+    if long_layerwise:
+        share = statistics.median(long_layerwise)
+        print(f"  layer-wise share hidden behind compute, prompts >= 512 tokens   {share:5.0%}   target >= 70%  "
+              f"{'met' if share >= 0.7 else 'MISSED'}")
     return 0
 
 
-def measure_transfer(pd, vocab_size: int, scale: float) -> dict[int, tuple[int, float]]:
-    """KV bytes and transfer time of one request per prompt length (median of three)."""
+def measure_transfer(pd, vocab_size: int, scale: float) -> dict[int, tuple[int, float, float | None]]:
+    """KV bytes, transfer time and share hidden behind compute of one request per prompt length (median of three)."""
     import random
 
     rng = random.Random(1)
     result = {}
     for length in (64, 256, 1000):
         n = max(16, int(length * scale))
-        times, moved = [], 0
+        times, hidden, moved = [], [], 0
         for _ in range(3):
             prompt = [rng.randrange(1, vocab_size) for _ in range(n)]  # fresh, so no prefix-cache hit
             (out,) = pd.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
             m = out.metrics
             moved = m.kv_transfer_bytes
             times.append((m.kv_transfer_end - m.kv_transfer_start) * 1e3 if m.kv_transfer_end else float("nan"))
-        result[n] = (moved, statistics.median(times))
+            if m.kv_transfer_hidden is not None:
+                hidden.append(m.kv_transfer_hidden)
+        result[n] = (moved, statistics.median(times), statistics.median(hidden) if hidden else None)
     return result

@@ -31,6 +31,9 @@ class RequestMetrics:
     kv_transfer_bytes: int = 0
     kv_transfer_start: float | None = None
     kv_transfer_end: float | None = None
+    #: Push and layer-wise transfers: the share of the transfer's span (first write to last completion) that
+    #: lay before the prefill step ended — transfer latency the decode worker does not wait for.
+    kv_transfer_hidden: float | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
 

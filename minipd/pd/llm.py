@@ -453,6 +453,9 @@ class DisaggregatedLLM:
                 m = flight.state.metrics
                 m.kv_transfer_bytes += message["bytes"]
                 m.kv_transfer_start, m.kv_transfer_end = message["start"], message["end"]
+                if message.get("compute_end"):  # pushed: how much of the transfer ran while the prefill computed
+                    span = max(message["end"] - message["start"], 1e-9)
+                    m.kv_transfer_hidden = min(1.0, max(0.0, (message["compute_end"] - message["start"]) / span))
         elif kind == "kv_failed":
             flight = self._flights.get(message["request_id"])
             if flight is not None and not flight.kv_done:

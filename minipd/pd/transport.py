@@ -77,10 +77,12 @@ class NixlTransport:
         problem = nixl_available()
         if problem is not None:
             raise RuntimeError(f"kv transport 'nixl' unavailable: {problem}")
-        from nixl_cu12._api import nixl_agent
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name)
+        # No progress thread: it polls without pause and takes a whole core from the worker's compute;
+        # transfers progress whenever this worker checks on them, which its loop does every millisecond.
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False))
         self.layout = PoolLayout.of(pool)
         self._registered = self.agent.register_memory([pool.k, pool.v])
         self._peers: dict[str, PoolLayout] = {}

@@ -43,6 +43,7 @@ class _Push:
     num_bytes: int = 0
     prefilled: bool = False
     failed: bool = False
+    compute_end: float = 0.0  # when the step that finished the prefill ended
 
     def __post_init__(self) -> None:
         self.handles = []
@@ -228,6 +229,7 @@ class _Worker:
                         del self.pushes[request_id]
                     continue
                 push.prefilled = True
+                push.compute_end = time.perf_counter()
                 if not push.layerwise:  # the whole prompt, all layers, in one transfer after the step
                     n = min(len(request.blocks.block_table), len(push.remote_blocks))
                     push.started = time.perf_counter()
@@ -254,7 +256,7 @@ class _Worker:
                         self.send({"kind": "kv_failed", "request_id": request_id, "message": "reader gone"})
                         continue
                     self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": push.num_bytes,
-                               "start": push.started, "end": time.perf_counter()})
+                               "start": push.started, "end": time.perf_counter(), "compute_end": push.compute_end})
 
     def adopt_arrived(self) -> None:
         """Decode side: admit each request whose K/V have all been written into its reservation."""
