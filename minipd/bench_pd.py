@@ -3,7 +3,8 @@
 A steady decode load (short prompts, long outputs) runs while bursts of long prompts arrive, on the
 same wall-clock schedule for every system:
 
-- ``colocated``: one engine (``LLM``) with both cores, a whole prompt per step;
+- ``colocated``: one engine (``LLM``) with both cores, a whole prompt per step (and, for
+  reference, the same engine on one thread: on a small model two threads can be slower);
 - ``colocated, chunked``: the same engine with a small token budget (chunked prefill, the colocated answer);
 - ``split``: ``DisaggregatedLLM`` with one prefill and one decode worker, one core each.
 
@@ -136,7 +137,10 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
         chunked.generate(warm, SamplingParams(max_tokens=4))
         pd.generate(warm, SamplingParams(max_tokens=4))
         for _ in range(rounds):  # interleaved, so a noisy moment hits every system alike
-            for run in (run_colocated(colocated, arrivals, "colocated"),
+            torch.set_num_threads(1)
+            one_thread = run_colocated(colocated, arrivals, "colocated, 1 thread")
+            torch.set_num_threads(2)
+            for run in (run_colocated(colocated, arrivals, "colocated"), one_thread,
                         run_colocated(chunked, arrivals, "colocated, chunked prefill (64-token budget)"),
                         run_split(pd, arrivals)):
                 runs.setdefault(run.system, []).append(run)
