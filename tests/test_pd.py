@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -91,6 +90,25 @@ def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
     assert_gone(pids)
 
 
+def run_killing(pd: DisaggregatedLLM, prompts, params, role: str, after_tokens: int):
+    """Send every request, SIGKILL the last worker of ``role`` once ``after_tokens`` tokens came back, finish."""
+    victim = pd.worker_pids()[role][-1]
+    ids = [pd.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    states = [pd.processor.states[i] for i in ids]
+    received, deadline = 0, time.monotonic() + 120
+    if after_tokens <= 0:  # at once, with every request still in flight
+        os.kill(victim, signal.SIGKILL)
+        victim = 0
+    while not all(s.finished for s in states):
+        assert time.monotonic() < deadline, "requests not finished in 120 s"
+        received += len(pd.step())
+        if victim and received >= after_tokens:
+            os.kill(victim, signal.SIGKILL)
+            victim = 0
+    assert victim == 0, "the run ended before the worker could be killed"
+    return [s.to_output() for s in states]
+
+
 @needs_nixl
 @pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
 def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm, mode):
@@ -99,14 +117,8 @@ def test_a_decode_worker_killed_mid_run_changes_nothing_but_the_route(llm, mode)
               for p in params]
     expected = tokens(llm.generate(prompts, params))
     with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_transfer=mode, kv_lease_s=2, start_timeout=120) as pd:
-        victim = pd.worker_pids()["decode"][0]
-        killer = threading.Timer(1.5, os.kill, (victim, signal.SIGKILL))
-        killer.start()
-        try:
-            outputs = pd.generate(prompts, params)
-        finally:
-            killer.cancel()
-        assert pd.worker_pids()["decode"] != [victim] and len(pd.worker_pids()["decode"]) == 1
+        outputs = run_killing(pd, prompts, params, "decode", after_tokens=200)
+        assert len(pd.worker_pids()["decode"]) == 1
         assert pd.num_recovered_requests > 0  # it died holding requests, which finished elsewhere
         assert tokens(outputs) == expected
         wait_until_blocks_free(pd)  # blocks held for the dead reader are freed by the lease
@@ -145,14 +157,9 @@ def test_a_prefill_worker_killed_mid_run_changes_nothing_but_the_route(llm, mode
     prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
     with DisaggregatedLLM("tiny-py", num_prefill_workers=2, kv_transfer=mode, kv_lease_s=2, start_timeout=120) as pd:
-        victim = pd.worker_pids()["prefill"][1]
-        killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
-        killer.start()
-        try:
-            outputs = pd.generate(prompts, params)
-        finally:
-            killer.cancel()
-        assert victim not in pd.worker_pids()["prefill"] and len(pd.worker_pids()["prefill"]) == 1
+        outputs = run_killing(pd, prompts, params, "prefill", after_tokens=0)  # killed with prompts in flight
+        assert len(pd.worker_pids()["prefill"]) == 1
+        assert pd.num_recovered_requests > 0
         assert tokens(outputs) == expected
         wait_until_blocks_free(pd)
 
