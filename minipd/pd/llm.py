@@ -332,7 +332,9 @@ class DisaggregatedLLM:
         decoders = self._role("decode")
         if not decoders:
             return True  # the prefill workers decode themselves
-        coming = sum(self._blocks_for(f) for f in self._flights.values() if f.phase == "prefill" and f.worker)
+        # Prefills whose blocks are not reserved yet (push modes reserve, and free_blocks already counts them).
+        coming = sum(self._blocks_for(f) for f in self._flights.values()
+                     if f.phase == "prefill" and f.worker and not f.dest)
         return max(w.free_blocks for w in decoders) - coming >= self._blocks_for(flight)
 
     def _admit_backlog(self) -> None:
