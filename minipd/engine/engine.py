@@ -19,7 +19,7 @@ import torch
 
 from minipd.engine.config import EngineConfig
 from minipd.engine.core import CPU_KV_MEMORY, EngineCore
-from minipd.engine.inputs import PromptInput, check_prompt_ids
+from minipd.engine.inputs import PromptInput, encode_prompt
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.engine.scheduler import Scheduler
@@ -102,13 +102,8 @@ class Engine:
         ``hold_kv`` keeps the request's blocks after it finishes (for :meth:`export_kv`) until
         :meth:`release_kv`; ``num_external_tokens`` says its first tokens' K/V will be given, not computed.
         """
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompts[{index}] is an empty string: a prompt needs at least one token")
-            ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            ids, text = list(prompt), None
-        check_prompt_ids(index, ids, self.core.model.config.vocab_size, self.max_model_len)
+        ids, text = encode_prompt(self.tokenizer, prompt, index, self.core.model.config.vocab_size,
+                                  self.max_model_len)
         self.core.check_fits(len(ids), params.max_tokens, what=f"prompts[{index}]")
         if request_id is None:
             request_id = self.new_request_id()

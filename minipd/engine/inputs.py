@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from minipd.sampling_params import SamplingParams, check_seed, is_integer
+
+if TYPE_CHECKING:
+    from minipd.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int]
 
@@ -98,3 +102,16 @@ def check_llm_args(max_model_len: object, seed: object) -> tuple[int | None, int
             raise ValueError(f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
         max_model_len = int(max_model_len)
     return max_model_len, check_seed("seed", seed)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: PromptInput, index: int, vocab_size: int,
+                  max_model_len: int) -> tuple[list[int], str | None]:
+    """``prompt`` as checked token ids, and its text when it was given as text; ``index`` names it in errors."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError(f"prompts[{index}] is an empty string: a prompt needs at least one token")
+        ids, text = tokenizer.encode(prompt), prompt
+    else:
+        ids, text = list(prompt), None
+    check_prompt_ids(index, ids, vocab_size, max_model_len)
+    return ids, text

@@ -38,7 +38,7 @@ from typing import Any
 
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
-from minipd.engine.inputs import PromptInput, check_prompt_ids, normalize_params, normalize_prompts
+from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, normalize_prompts
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
 from minipd.models.registry import resolve_model
@@ -287,14 +287,16 @@ class DisaggregatedLLM:
 
     # -------------------------------------------------------------------------------- requests
     def _encode(self, prompt: PromptInput, index: int) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompts[{index}] is an empty string: a prompt needs at least one token")
-            ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            ids, text = list(prompt), None
-        check_prompt_ids(index, ids, self.config.vocab_size, self.max_model_len)
-        return ids, text
+        return encode_prompt(self.tokenizer, prompt, index, self.config.vocab_size, self.max_model_len)
+
+    def _submit_one(self, prompt: PromptInput, sampling_params: SamplingParams | None, what: str) -> RequestState:
+        prompts = normalize_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"{what} takes one prompt, got {len(prompts)}; use generate for several")
+        (params,) = normalize_params(sampling_params, 1)
+        ids, text = self._encode(prompts[0], 0)
+        self._check_fits(ids, params, 0)
+        return self._submit(ids, text, params)
 
     def _check_fits(self, ids: list[int], params: SamplingParams, index: int) -> None:
         """Refuse a request that could never fit the smallest worker pool, however long it waited."""
@@ -579,13 +581,7 @@ class DisaggregatedLLM:
 
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield one :class:`StreamDelta` per generated token of ``prompt`` as it arrives from the workers."""
-        prompts = normalize_prompts(prompt)
-        if len(prompts) != 1:
-            raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
-        (params,) = normalize_params(sampling_params, 1)
-        ids, text = self._encode(prompts[0], 0)
-        self._check_fits(ids, params, 0)
-        state = self._submit(ids, text, params)
+        state = self._submit_one(prompt, sampling_params, "stream")
         outbox = self.processor.watch(state.request_id)
         while True:
             while outbox:
@@ -598,13 +594,7 @@ class DisaggregatedLLM:
 
     def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> str:
         """Check and send one prompt now; returns its id. Follow it with :meth:`step` (as ``Engine`` is followed)."""
-        prompts = normalize_prompts(prompt)
-        if len(prompts) != 1:
-            raise ValueError(f"add_request takes one prompt, got {len(prompts)}")
-        (params,) = normalize_params(sampling_params, 1)
-        ids, text = self._encode(prompts[0], 0)
-        self._check_fits(ids, params, 0)
-        return self._submit(ids, text, params).request_id
+        return self._submit_one(prompt, sampling_params, "add_request").request_id
 
     def step(self, timeout: float = 0.05) -> list[StreamDelta]:
         """Take what the workers sent (waiting up to ``timeout``); return the deltas it produced."""
