@@ -14,6 +14,7 @@ where NIXL is missing.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,10 +130,15 @@ class NixlTransport:
         return handle
 
     def poll(self, handle: Any) -> str:
-        """``"DONE"``, ``"PROC"`` (in progress) or ``"ERR"``; a finished handle is released."""
-        state = self.agent.check_xfer_state(handle)
+        """``"DONE"``, ``"PROC"`` (in progress) or ``"ERR"`` (also when the peer is gone); a finished handle
+        is released."""
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception:  # NIXL raises when the remote agent disconnected: the transfer is lost
+            state = "ERR"
         if state in ("DONE", "ERR"):
-            self.agent.release_xfer_handle(handle)
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
         return state
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -141,7 +147,11 @@ class NixlTransport:
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call (one per finished read of our blocks)."""
-        return [msg for messages in self.agent.get_new_notifs().values() for msg in messages]
+        try:
+            received = self.agent.get_new_notifs()
+        except Exception:  # a disconnected peer: its reads are over; the leases free what it held
+            return []
+        return [msg for messages in received.values() for msg in messages]
 
 
 class TorchDistributedTransport:

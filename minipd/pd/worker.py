@@ -239,7 +239,7 @@ class _Worker:
                     except Exception:
                         push.failed = True
                     push.num_bytes = n * self.core.kv_spec.bytes_per_block
-            states = [self.transport.poll(h) for h in push.handles]
+            states = [self.transport.poll(h) for h in push.handles]  # "ERR" when the reader is gone
             push.handles = [h for h, st in zip(push.handles, states, strict=True) if st == "PROC"]
             expired = time.perf_counter() - (push.started or time.perf_counter()) > self.kv_lease_s
             failed = push.failed or "ERR" in states or expired
