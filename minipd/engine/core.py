@@ -38,6 +38,17 @@ logger = logging.getLogger("minipd")
 CPU_KV_MEMORY = 256 << 20
 
 
+def check_fits_pool(num_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
+                    what: str = "the request", pool: str = "the pool has") -> None:
+    """Refuse a request that could never fit a pool of ``num_blocks``, however long it waited."""
+    longest = min(max_model_len, num_tokens + max_tokens)
+    # The last sampled token is never fed back, so its K/V never need a slot.
+    blocks = -(-(longest - 1) // block_size)
+    if blocks > num_blocks:
+        raise ValueError(f"{what} may grow to {longest} tokens ({blocks} KV blocks) but {pool} "
+                         f"{num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+
+
 class EngineCore:
     """A continuous-batching engine over a paged KV cache for one model, driven by plain messages."""
 
@@ -100,12 +111,8 @@ class EngineCore:
     # ---------------------------------------------------------------------------------- requests
     def check_fits(self, num_tokens: int, max_tokens: int, what: str = "the request") -> None:
         """Refuse a request that could never fit the pool, however long it waited."""
-        longest = min(self.max_model_len, num_tokens + max_tokens)
-        # The last sampled token is never fed back, so its K/V never need a slot.
-        blocks = -(-(longest - 1) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"{what} may grow to {longest} tokens ({blocks} KV blocks) but the pool has "
-                             f"{self.block_manager.num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+        check_fits_pool(num_tokens, max_tokens, self.max_model_len, self.config.block_size,
+                        self.block_manager.num_blocks, what)
 
     def add_request(self, request: Request, kv: PackedKV | None = None) -> None:
         """Queue a request. With ``kv``, its first ``request.num_external_tokens`` tokens' K/V are given.
@@ -113,6 +120,13 @@ class EngineCore:
         A request with ``num_external_tokens`` but no ``kv`` waits, holding its blocks, until
         :meth:`import_kv` or :meth:`finish_kv_load` says they arrived.
         """
+        self._accept(request, kv)
+        if kv is not None:
+            self._imports[request.request_id] = kv
+        self.scheduler.add(request)
+
+    def _accept(self, request: Request, kv: PackedKV | None = None) -> None:
+        """Check a new request (and the K/V given with it) and make it live."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if not 0 <= request.num_external_tokens < request.num_tokens:
@@ -131,9 +145,6 @@ class EngineCore:
                                  f"{self.kv_spec.to_dict()}")
         self.check_fits(request.num_tokens, request.params.max_tokens)
         self.requests[request.request_id] = request
-        if kv is not None:
-            self._imports[request.request_id] = kv
-        self.scheduler.add(request)
 
     # ---------------------------------------------------------------------------- reservations
     def reserve_blocks(self, key: str, num_tokens: int) -> list[int] | None:
@@ -167,13 +178,9 @@ class EngineCore:
         if not 0 < request.num_external_tokens < request.num_tokens or needed > len(alloc.block_table):
             raise ValueError(f"reservation {key!r} holds {len(alloc.block_table)} blocks; the request needs "
                              f"{needed} for num_external_tokens={request.num_external_tokens}")
-        self.add_request(request)
-        del self._reservations[key]
-        request.blocks = alloc
-        self.scheduler.waiting.remove(request)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.scheduler.waiting_for_kv[request.request_id] = request
-        self.scheduler.kv_arrived(request.request_id)
+        self._accept(request)
+        request.blocks = self._reservations.pop(key)
+        self.scheduler.add_with_kv(request)
 
     def abort_requests(self, request_ids: Iterable[str],
                        reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:
@@ -209,9 +216,7 @@ class EngineCore:
 
     def import_kv(self, request_id: str, kv: PackedKV) -> None:
         """Write K/V received for a request that waits for them, and let it compute the rest."""
-        request = self._live(request_id)
-        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        request = self._waiting_for_kv(request_id)
         if kv.num_tokens != request.num_external_tokens:
             raise ValueError(f"the KV given holds {kv.num_tokens} tokens but the request waits for "
                              f"{request.num_external_tokens}")
@@ -220,9 +225,7 @@ class EngineCore:
 
     def finish_kv_load(self, request_id: str) -> None:
         """K/V for the request were written straight into its blocks (e.g. by NIXL): let it compute the rest."""
-        request = self._live(request_id)
-        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
+        self._waiting_for_kv(request_id)
         self.scheduler.kv_arrived(request_id)
 
     def export_kv(self, request_id: str, num_tokens: int | None = None) -> PackedKV:
@@ -250,6 +253,12 @@ class EngineCore:
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no live request {request_id!r}")
+        return request
+
+    def _waiting_for_kv(self, request_id: str) -> Request:
+        request = self._live(request_id)
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {request.status.value}, not waiting for KV")
         return request
 
     # -------------------------------------------------------------------------------------- step

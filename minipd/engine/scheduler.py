@@ -267,12 +267,16 @@ class Scheduler:
         request = self.waiting_for_kv.pop(request_id, None)
         if request is None:
             raise KeyError(f"request {request_id!r} is not waiting for KV")
+        self.add_with_kv(request)
+        return request
+
+    def add_with_kv(self, request: Request) -> None:
+        """Queue, at the front, a request whose blocks already hold its first ``num_external_tokens`` tokens' K/V."""
         request.num_computed_tokens = request.num_external_tokens
         self.block_manager.register_full_blocks(request.blocks, request.all_token_ids,
                                                 request.num_computed_tokens, request.block_hashes)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        return request
 
     def finish(self, request: Request) -> None:
         """Take a finished (or aborted) request out of the queues; free its blocks unless it holds them."""

@@ -68,6 +68,15 @@ def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes] |
     return hashes
 
 
+def _first_hashes(token_ids: Sequence[int], block_size: int, count: int,
+                  hashes: Sequence[bytes] | None) -> Sequence[bytes]:
+    """At least the first ``count`` block hashes of ``token_ids``: ``hashes`` itself when long enough, else
+    computed (extending ``hashes`` in place when it is a list, so a sequence hashes each block once)."""
+    if hashes is not None and len(hashes) >= count:
+        return hashes
+    return block_hashes(token_ids[:count * block_size], block_size, hashes if isinstance(hashes, list) else None)
+
+
 @dataclass
 class PrefixCacheStats:
     """Prompt tokens looked up in the prefix cache and how many were found."""
@@ -133,8 +142,7 @@ class BlockManager:
             return []
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
-        if hashes is None or len(hashes) < usable:
-            hashes = block_hashes(token_ids[:usable * bs], bs, hashes if isinstance(hashes, list) else None)
+        hashes = _first_hashes(token_ids, bs, usable, hashes)
         found: list[int] = []
         parent: BlockIdentity | None = None
         for index in range(usable):
@@ -228,8 +236,7 @@ class BlockManager:
             return  # after token eviction, table indices no longer match token positions
         bs = self.block_size
         end = num_computed // bs
-        if hashes is None or len(hashes) < end:
-            hashes = block_hashes(token_ids[:end * bs], bs, hashes if isinstance(hashes, list) else None)
+        hashes = _first_hashes(token_ids, bs, end, hashes)
         for index in range(len(alloc.committed_hashes), end):
             block_hash = hashes[index]
             alloc.committed_hashes.append(block_hash)

@@ -38,6 +38,7 @@ from typing import Any
 
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
+from minipd.engine.core import check_fits_pool
 from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, normalize_prompts
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
@@ -300,12 +301,9 @@ class DisaggregatedLLM:
 
     def _check_fits(self, ids: list[int], params: SamplingParams, index: int) -> None:
         """Refuse a request that could never fit the smallest worker pool, however long it waited."""
-        longest = min(self.max_model_len, len(ids) + params.max_tokens)
-        blocks = -(-(longest - 1) // self.block_size)
         smallest = min(w.num_blocks for w in self._workers.values())
-        if blocks > smallest:
-            raise ValueError(f"prompts[{index}] may grow to {longest} tokens ({blocks} KV blocks) but the workers' "
-                             f"pools have {smallest} blocks; raise num_kv_blocks or lower max_tokens")
+        check_fits_pool(len(ids), params.max_tokens, self.max_model_len, self.block_size, smallest,
+                        f"prompts[{index}]", "the workers' pools have")
 
     def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
         request_id = str(self._next_id)

@@ -145,6 +145,8 @@ class _Worker:
                 self.report(outputs)
 
     def handle(self, message: tuple) -> bool:
+        from minipd.engine.request import EngineCoreOutputs
+
         kind = message[0]
         try:
             if kind == "add":
@@ -157,7 +159,7 @@ class _Worker:
                 for request_id in message[1]:
                     self.remote.pop(request_id, None)
                     self.held_since.pop(request_id, None)
-                self.report_outputs(self.core.abort_requests(message[1], *message[2:]))
+                self.report(EngineCoreOutputs(self.core.abort_requests(message[1], *message[2:]), time.perf_counter()))
             elif kind == "release_kv":
                 self.held_since.pop(message[1], None)
                 self.core.release_kv(message[1])
@@ -287,13 +289,6 @@ class _Worker:
                 self.held_since[out.request_id] = time.monotonic()
         if outputs.outputs or held:
             self.send({"kind": "outputs", "outputs": outputs, "held": held,
-                       "free_blocks": self.core.block_manager.num_free_blocks})
-
-    def report_outputs(self, outputs: list) -> None:
-        from minipd.engine.request import EngineCoreOutputs
-
-        if outputs:
-            self.send({"kind": "outputs", "outputs": EngineCoreOutputs(outputs, time.perf_counter()), "held": {},
                        "free_blocks": self.core.block_manager.num_free_blocks})
 
     def watch_transfers(self) -> None:
