@@ -122,7 +122,6 @@ class OutputProcessor:
         if m.first_scheduled_time is None:
             m.first_scheduled_time = out.first_scheduled_time
         token_id = None
-        text = ""
         for token_id in out.new_token_ids:
             state.token_ids.append(token_id)
             if m.first_token_time is None:

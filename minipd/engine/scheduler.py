@@ -31,8 +31,6 @@ class ScheduledBatch:
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    #: Requests whose blocks were allocated this step for K/V that will arrive from elsewhere.
-    kv_loads: list[Request] = field(default_factory=list)
     #: Prefix-cache lookups counted this step, (request, tokens queried, tokens hit): undone by a rollback.
     lookups: list[tuple[Request, int, int]] = field(default_factory=list)
 
@@ -169,7 +167,6 @@ class Scheduler:
                 self.waiting.popleft()
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.waiting_for_kv[request.request_id] = request
-                batch.kv_loads.append(request)
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if not bm.allocate(request.blocks, num_cached + num_new, cached or ()):
