@@ -49,6 +49,12 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from minipd.pd.worker import run_launched_worker
+
+    return run_launched_worker(args.connect, args.role, args.host, args.num_prefill_workers, args.join_timeout)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from minipd.bench import main as bench_main
 
@@ -77,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     info = sub.add_parser("info", help="bundled models, device and kernel backends")
     info.set_defaults(func=_info)
+    worker = sub.add_parser("worker", help="a prefill or decode worker joining a DisaggregatedLLM(listen=...)",
+                            description="Start one disaggregated worker (here, on another machine, or under "
+                                        "torchrun) that joins the front end listening at --connect.")
+    worker.add_argument("--connect", required=True, help="the front end's listen address, e.g. tcp://10.0.0.1:5557")
+    worker.add_argument("--role", choices=("prefill", "decode"), default=None,
+                        help="what this worker does (under torchrun, by default from RANK)")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="the address of this machine the front end and other workers reach (default 127.0.0.1)")
+    worker.add_argument("--num-prefill-workers", type=int, default=1,
+                        help="under torchrun without --role: ranks below this prefill (default 1)")
+    worker.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to wait for the front end (default 300)")
+    worker.set_defaults(func=_worker)
     bench = sub.add_parser("bench", help="minipd against HF transformers (see `python -m minipd bench -h`)",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -8,6 +8,24 @@ from itertools import pairwise
 
 
 @dataclass
+class KVTimeline:
+    """Measured events of one disaggregated request's prefill and K/V transfer, for drawing them.
+
+    All times are ``time.perf_counter`` seconds; the workers' clocks agree only when they run on one
+    machine (as in the course). ``layers[i]`` is when layer ``i`` of the step that finished the prefill
+    computed (on the prefill worker); ``sends`` are the transfers the prefill worker started, as
+    ``(layer, start, end)`` of the call that posted each (``layer`` is None for all layers at once);
+    ``transfer`` is from the first byte's start to when the receiver had them all.
+    """
+
+    mode: str
+    prefill_step: tuple[float, float] | None = None
+    layers: list[tuple[float, float]] = field(default_factory=list)
+    sends: list[tuple[int | None, float, float]] = field(default_factory=list)
+    transfer: tuple[float, float] | None = None
+
+
+@dataclass
 class RequestMetrics:
     """Timestamps (``time.perf_counter`` seconds) of one request's life and the latencies they give.
 
@@ -36,6 +54,8 @@ class RequestMetrics:
     kv_transfer_hidden: float | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    #: Disaggregated serving: the prefill's layers and the K/V transfer as measured events (None elsewhere).
+    kv_timeline: KVTimeline | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -226,3 +226,42 @@ def test_push_and_layerwise_transfers_give_the_single_engine_outputs(llm, mode):
         assert moved and all(o.metrics.kv_transfer_bytes >= -(-len(o.prompt_token_ids) // 16) * per_block
                              for o in moved)
         wait_until_blocks_free(pd)  # reservations of requests that ended at their first token were given back
+
+
+@needs_nixl
+def test_the_transfer_mode_can_change_between_requests_and_each_request_carries_its_timeline(llm):
+    """One pair of workers serves all three modes; every request's measured events tell them apart:
+    pull moves nothing until the prefill step ended, push writes everything once after it, layer-wise
+    posts one write per layer inside the step, each after its layer stored its K/V."""
+    prompt = llm.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = tokens(llm.generate([prompt], params))
+    layers = llm.config.num_hidden_layers
+    with DisaggregatedLLM("tiny-py", enable_prefix_caching=False, kv_lease_s=20, start_timeout=120) as pd:
+        by_mode = {}
+        for mode in ("pull", "push", "layerwise"):
+            pd.kv_transfer = mode
+            by_mode[mode] = pd.generate([prompt], params)
+            assert tokens(by_mode[mode]) == expected
+        with pytest.raises(ValueError, match="kv_transfer must be one of"):
+            pd.kv_transfer = "teleport"
+        assert pd.kv_transfer == "layerwise"  # a refused value changes nothing
+        wait_until_blocks_free(pd)
+    for mode, (out,) in by_mode.items():
+        t = out.metrics.kv_timeline
+        assert t is not None and t.mode == mode
+        step_start, step_end = t.prefill_step
+        assert len(t.layers) == layers
+        bounds = [step_start] + [x for pair in t.layers for x in pair] + [step_end]
+        assert bounds == sorted(bounds), f"{mode}: layer events out of order"
+        first, last = t.transfer
+        assert first <= last <= out.metrics.token_times[1]  # all K/V there before decode's first token
+        if mode == "pull":
+            assert t.sends == [] and first >= step_end
+        elif mode == "push":
+            assert [layer for layer, _, _ in t.sends] == [None] and first >= step_end
+        else:
+            assert [layer for layer, _, _ in t.sends] == list(range(layers))
+            for (layer, posted, _), (_, stored) in zip(t.sends, t.layers, strict=True):
+                assert stored <= posted < step_end, f"layer {layer}'s write was not posted inside the step"
+            assert out.metrics.kv_transfer_hidden > 0.5

@@ -43,7 +43,7 @@ from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, n
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
 from minipd.models.registry import resolve_model
-from minipd.outputs import RequestOutput, StreamDelta
+from minipd.outputs import KVTimeline, RequestOutput, StreamDelta
 from minipd.pd.transport import TRANSPORTS, nixl_available
 from minipd.pd.worker import run_worker
 from minipd.sampling_params import SamplingParams
@@ -79,9 +79,15 @@ class _Worker:
     num_blocks: int = 0
     peer: dict | None = None
     requests: set[str] = field(default_factory=set)
+    #: Launched workers (no process of ours): when the front end last heard from it, and how long a
+    #: silence means it is dead.
+    last_seen: float = 0.0
+    silence_limit: float = 0.0
 
     @property
     def alive(self) -> bool:
+        if self.process is None:
+            return time.monotonic() - self.last_seen < self.silence_limit
         return self.process.is_alive()
 
 
@@ -98,6 +104,7 @@ class _Flight:
     #: Push modes: the decode worker whose reserved blocks receive the prompt's K/V, and whether they have.
     dest: str = ""
     kv_done: bool = False
+    mode: str = "pull"  # the kv_transfer in force when the request arrived
 
 
 class DisaggregatedLLM:
@@ -106,7 +113,10 @@ class DisaggregatedLLM:
     Args:
         model: a bundled name, a local HF folder or a hub id, as for ``LLM``.
         num_prefill_workers, num_decode_workers: how many of each (at least one prefill worker).
-        kv_transfer: how K/V move: ``"pull"`` (the decode worker reads the prefill worker's blocks).
+        kv_transfer: how K/V move: ``"pull"`` (the decode worker reads the prefill worker's blocks after
+            the prefill), ``"push"`` (the prefill worker writes them into blocks the decode worker reserved
+            first) or ``"layerwise"`` (pushed layer by layer while the prefill computes). It can be changed
+            between requests (``llm.kv_transfer = "push"``); it applies to requests submitted afterwards.
         kv_transport: what moves them: ``"nixl"`` (the default where installed) or ``"torch"``
             (``torch.distributed`` with gloo: every platform, slower, no recovery of transfers under way
             when a worker dies — those requests are recomputed after ``kv_lease_s``).
@@ -114,7 +124,13 @@ class DisaggregatedLLM:
             long a read may take before the request is recomputed instead.
         threads_per_worker: torch threads in each worker (default 1: workers share the machine's cores).
         seed: seeds the draw of seeds for requests that give none.
-        start_timeout: seconds to wait for the workers to load the model.
+        start_timeout: seconds to wait for the workers to load the model (and, with ``listen``, to join).
+        listen: start no processes; instead bind this ZeroMQ address (``"tcp://0.0.0.0:5557"``) and wait
+            for workers launched by hand or by ``torchrun``, on this machine or others, with
+            ``python -m minipd worker --role prefill --connect tcp://FRONT-END-HOST:5557``. The model
+            argument is sent to them as given, so it must name the same model on their machines.
+        heartbeat_timeout: with ``listen``, a worker silent this long is taken for dead (it reports at
+            least every second while idle; a longer step than this looks like a death).
         **llm_options: passed to each worker's ``LLM`` (``max_model_len``, ``device``, engine options).
     """
 
@@ -122,9 +138,7 @@ class DisaggregatedLLM:
                  num_decode_workers: int = 1, kv_transfer: str = "pull", kv_transport: str | None = None,
                  kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
-                 **llm_options: Any) -> None:
-        if kv_transfer not in KV_TRANSFERS:
-            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {kv_transfer!r}")
+                 listen: str | None = None, heartbeat_timeout: float = 10.0, **llm_options: Any) -> None:
         for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
                                    ("num_decode_workers", num_decode_workers, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -137,10 +151,8 @@ class DisaggregatedLLM:
             raise ValueError(f"kv_transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {kv_transport!r}")
         if kv_transport == "nixl" and nixl_available() is not None:
             raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
-        if kv_transport == "torch" and kv_transfer != "pull":
-            raise ValueError(f"kv_transfer={kv_transfer!r} writes into another worker's memory, which needs "
-                             "kv_transport='nixl'; the torch transport supports 'pull'")
         self.kv_transport = kv_transport
+        self.kv_transfer = kv_transfer
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
         folder = resolve_model(model)
@@ -151,7 +163,6 @@ class DisaggregatedLLM:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.kv_transfer = kv_transfer
         self.block_size = llm_options.get("block_size", EngineConfig.block_size)
         self.processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(seed if seed is not None else time.time_ns())
@@ -165,9 +176,29 @@ class DisaggregatedLLM:
         self.num_backpressured = 0
         self._backlog: list[_Flight] = []
         self._deltas: list[StreamDelta] = []  # produced by the pump since the last step()
-        self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
-                    start_timeout, llm_options)
+        if listen is not None:
+            if not isinstance(heartbeat_timeout, (int, float)) or not heartbeat_timeout > 1:
+                raise ValueError(f"heartbeat_timeout must be a number of seconds > 1, got {heartbeat_timeout!r}")
+            self._join(str(model), listen, num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
+                       start_timeout, heartbeat_timeout, llm_options)
+        else:
+            self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
+                        start_timeout, llm_options)
         atexit.register(self.shutdown)
+
+    @property
+    def kv_transfer(self) -> str:
+        """How the K/V of requests submitted from now on move: ``"pull"``, ``"push"`` or ``"layerwise"``."""
+        return self._kv_transfer
+
+    @kv_transfer.setter
+    def kv_transfer(self, mode: str) -> None:
+        if mode not in KV_TRANSFERS:
+            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {mode!r}")
+        if self.kv_transport == "torch" and mode != "pull":
+            raise ValueError(f"kv_transfer={mode!r} writes into another worker's memory, which needs "
+                             "kv_transport='nixl'; the torch transport supports 'pull'")
+        self._kv_transfer = mode
 
     # ------------------------------------------------------------------------------- processes
     def _start(self, model: str, num_prefill: int, num_decode: int, kv_lease_s: float, threads: int | None,
@@ -197,15 +228,65 @@ class DisaggregatedLLM:
                     process.start()
                     self._workers[name] = _Worker(name, role, process, socket)
             self._wait_ready(timeout)
-            # Every worker learns every other (readers their sources; sources, for torch, their readers).
-            for worker in self._workers.values():
-                for peer in self._workers.values():
-                    if peer is not worker and (worker.role == "decode" or self.kv_transport == "torch"
-                                               or self.kv_transfer != "pull"):
-                        self._send(worker, ("add_peer", peer.peer))
+            self._introduce()
         except BaseException:
             self.shutdown()
             raise
+
+    def _join(self, model: str, listen: str, num_prefill: int, num_decode: int, kv_lease_s: float,
+              threads: int | None, timeout: float, silence_limit: float, llm_options: dict) -> None:
+        """Wait for launched workers to say hello at ``listen``, then configure them (see ``listen``)."""
+        import zmq
+
+        self._context = zmq.Context()
+        self._folder = tempfile.mkdtemp(prefix="minipd-pd-")
+        self._pull = self._context.socket(zmq.PULL)
+        try:
+            self._pull.bind(listen)
+            wanted = {"prefill": num_prefill, "decode": num_decode}
+            hellos: list[dict] = []
+            deadline = time.monotonic() + timeout
+            while len(hellos) < num_prefill + num_decode:
+                if time.monotonic() > deadline:
+                    have = {r: sum(h["role"] == r for h in hellos) for r in wanted}
+                    raise WorkerError(f"only {have} of {wanted} workers joined at {listen} in {timeout:.0f} s")
+                message = self._receive(0.2)
+                if message is None or message.get("kind") != "hello":
+                    continue
+                socket = self._context.socket(zmq.PUSH)
+                socket.connect(message["inbox"])
+                if sum(h["role"] == message["role"] for h in hellos) >= wanted[message["role"]]:
+                    socket.send(pickle.dumps(("shutdown",)))  # one too many of its role: send it home
+                    socket.close(linger=1000)
+                    continue
+                message["socket"] = socket
+                hellos.append(message)
+            ranks = [h["torchrun"] for h in hellos]
+            if all(ranks):  # torchrun numbered them and set up the rendezvous
+                address, order = "env://", [r[0] for r in ranks]
+            else:  # rank 0 hosts torch.distributed's store, on the port it found free
+                address, order = f"tcp://{hellos[0]['host']}:{hellos[0]['free_port']}", list(range(len(hellos)))
+            counts = {"prefill": 0, "decode": 0}
+            for hello, rank in zip(hellos, order, strict=True):
+                name = f"{hello['role']}{counts[hello['role']]}"
+                counts[hello["role"]] += 1
+                self._workers[name] = _Worker(name, hello["role"], None, hello["socket"], pid=hello["pid"],
+                                              last_seen=time.monotonic(), silence_limit=silence_limit)
+                transport = {"name": self.kv_transport, "rank": rank, "world_size": len(hellos), "address": address}
+                self._send(self._workers[name], ("config", name, model, llm_options, kv_lease_s, threads, transport))
+            self._wait_ready(max(1.0, deadline - time.monotonic()))
+            self._introduce()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _introduce(self) -> None:
+        """Tell every worker how to reach every other: readers their sources, writers their destinations
+        (any mode may be chosen later), and for torch every rank its partners."""
+        for worker in self._workers.values():
+            for peer in self._workers.values():
+                if peer is not worker:
+                    self._send(worker, ("add_peer", peer.peer))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -215,7 +296,8 @@ class DisaggregatedLLM:
                 raise WorkerError(f"workers {sorted(waiting)} were not ready after {timeout:.0f} s")
             message = self._receive(0.2)
             if message is None:
-                dead = [n for n in waiting if not self._workers[n].alive]
+                # (A launched worker says nothing while it loads: only its start timeout bounds it.)
+                dead = [n for n in waiting if self._workers[n].process is not None and not self._workers[n].alive]
                 if dead:
                     raise WorkerError(f"worker {dead[0]} exited while starting")
                 continue
@@ -243,6 +325,9 @@ class DisaggregatedLLM:
                     self._send(worker, ("shutdown",))
         deadline = time.monotonic() + 10
         for worker in self._workers.values():
+            if worker.process is None:  # launched by hand: not ours to kill; the message must get out
+                worker.socket.close(linger=2000)
+                continue
             worker.process.join(timeout=max(0.1, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
@@ -283,7 +368,11 @@ class DisaggregatedLLM:
 
     def _receive(self, timeout: float) -> dict | None:
         if self._pull.poll(int(timeout * 1000)):
-            return pickle.loads(self._pull.recv())
+            message = pickle.loads(self._pull.recv())
+            worker = self._workers.get(message.get("worker", ""))
+            if worker is not None:
+                worker.last_seen = time.monotonic()
+            return message
         return None
 
     # -------------------------------------------------------------------------------- requests
@@ -314,7 +403,7 @@ class DisaggregatedLLM:
                           seed=seed, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                           arrival_time=state.metrics.arrival_time)
         self.processor.add(state)
-        flight = _Flight(state, request)
+        flight = _Flight(state, request, mode=self._kv_transfer)
         self._flights[request_id] = flight
         if self._backlog or not self._decode_has_room(flight):
             # Backpressure: the prompt waits here (its TTFT grows) rather than piling up in a decode queue.
@@ -346,7 +435,7 @@ class DisaggregatedLLM:
         if not workers:
             return self._to_decode(flight, recompute=True)
         decoders = self._role("decode")
-        if self.kv_transfer != "pull" and decoders:
+        if flight.mode != "pull" and decoders:
             # Push modes: first reserve blocks on a decode worker, then prefill straight into them.
             dest = max(decoders, key=lambda w: w.free_blocks)
             dest.free_blocks -= self._blocks_for(flight)
@@ -366,7 +455,7 @@ class DisaggregatedLLM:
         if dest_blocks is None:
             self._send(worker, ("add", first_only))
         else:
-            self._send(worker, ("add_push", first_only, flight.dest, dest_blocks, self.kv_transfer == "layerwise"))
+            self._send(worker, ("add_push", first_only, flight.dest, dest_blocks, flight.mode == "layerwise"))
         return None
 
     def _on_reserved(self, flight: _Flight, blocks: list[int] | None) -> None:
@@ -435,10 +524,16 @@ class DisaggregatedLLM:
 
     def _on_message(self, message: dict) -> None:
         kind = message["kind"]
+        if kind in ("heartbeat", "hello"):  # a heartbeat's news is its arrival; a late hello is not wanted
+            return
         worker = self._workers[message["worker"]]
         if kind == "outputs":
             worker.free_blocks = message["free_blocks"]
             held = message["held"]
+            for request_id, timeline in message.get("timelines", {}).items():
+                flight = self._flights.get(request_id)
+                if flight is not None:
+                    flight.state.metrics.kv_timeline = KVTimeline(flight.mode, **timeline)
             for out in message["outputs"].outputs:
                 self._on_output(worker, out, message["outputs"].timestamp, held.get(out.request_id))
         elif kind == "reserved":
@@ -458,6 +553,10 @@ class DisaggregatedLLM:
                 if message.get("compute_end"):  # pushed: how much of the transfer ran while the prefill computed
                     span = max(message["end"] - message["start"], 1e-9)
                     m.kv_transfer_hidden = min(1.0, max(0.0, (message["compute_end"] - message["start"]) / span))
+                if "timeline" in message:  # pushed: the prefill worker measured it all
+                    m.kv_timeline = KVTimeline(flight.mode, **message["timeline"])
+                if m.kv_timeline is not None:
+                    m.kv_timeline.transfer = (message["start"], message["end"])
         elif kind == "kv_failed":
             flight = self._flights.get(message["request_id"])
             if flight is not None and not flight.kv_done:

@@ -44,9 +44,10 @@ class _Push:
     prefilled: bool = False
     failed: bool = False
     compute_end: float = 0.0  # when the step that finished the prefill ended
+    sends: list = None  # type: ignore[assignment]  # (layer or None, post start, post end) of each write
 
     def __post_init__(self) -> None:
-        self.handles = []
+        self.handles, self.sends = [], []
 
 
 @dataclass
@@ -60,22 +61,89 @@ class _RemoteLoad:
     num_bytes: int = 0
 
 
+#: Launched workers (``python -m minipd worker``) report at least this often, so the front end can tell
+#: a silent worker from a dead one.
+HEARTBEAT_INTERVAL = 1.0
+
+
 def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
                kv_lease_s: float, threads: int | None, transport: dict) -> None:
-    """Entry point of a spawned worker process."""
-    import torch
+    """Entry point of a worker process spawned by the front end (it ends when its parent does)."""
     import zmq
 
-    if threads:
-        torch.set_num_threads(threads)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(inbox)
     push = context.socket(zmq.PUSH)
     push.connect(outbox)
-    name = f"{role}{index}"
     parent = os.getppid()
+    try:
+        _serve(f"{role}{index}", role, model, llm_options, kv_lease_s, threads, transport, pull, push,
+               lambda: os.getppid() == parent, heartbeat=None)
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        context.term()
+
+
+def run_launched_worker(connect: str, role: str | None = None, host: str = "127.0.0.1",
+                        num_prefill_workers: int = 1, join_timeout: float = 300.0) -> int:
+    """Entry point of ``python -m minipd worker``: a worker started by hand (or by ``torchrun``), on this
+    machine or another, that joins a front end listening at ``connect``.
+
+    It binds its own inbox on ``host`` (the address the front end reaches it at), says hello with its
+    role, and receives from the front end everything else: the model, engine options, its name and
+    the KV transport. Under ``torchrun`` the role may be left out: ranks below ``num_prefill_workers``
+    prefill, the others decode, and the ``torch`` transport uses torchrun's rendezvous. It serves
+    until the front end shuts it down (or it is killed). Returns the exit status.
+    """
+    import socket
+
+    import zmq
+
+    rank = os.environ.get("RANK")
+    if role is None:
+        if rank is None:
+            raise ValueError("role must be 'prefill' or 'decode' (or leave it out under torchrun, which sets RANK)")
+        role = "prefill" if int(rank) < num_prefill_workers else "decode"
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    with socket.socket() as probe:  # a free port here, in case this worker hosts torch.distributed's store
+        probe.bind((host, 0))
+        free_port = probe.getsockname()[1]
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.connect(connect)
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"tcp://{host}:*")
+    try:
+        hello = {"kind": "hello", "role": role, "inbox": pull.getsockopt_string(zmq.LAST_ENDPOINT), "host": host,
+                 "free_port": free_port, "pid": os.getpid(),
+                 "torchrun": None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1")))}
+        push.send(pickle.dumps(hello, protocol=pickle.HIGHEST_PROTOCOL))
+        if not pull.poll(int(join_timeout * 1000)):
+            raise TimeoutError(f"no front end answered at {connect} within {join_timeout:.0f} s")
+        message = pickle.loads(pull.recv())
+        if message[0] != "config":
+            return 0  # refused (the front end has enough workers) or shut down before it started
+        _, name, model, llm_options, kv_lease_s, threads, transport = message
+        _serve(name, role, model, llm_options, kv_lease_s, threads, transport, pull, push, lambda: True,
+               heartbeat=HEARTBEAT_INTERVAL)
+        return 0
+    finally:
+        push.close(linger=1000)
+        pull.close(linger=0)
+        context.term()
+
+
+def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: float, threads: int | None,
+           transport: dict, pull: Any, push: Any, parent_alive: Any, heartbeat: float | None) -> None:
+    """Load the engine and the KV transport, say ready, and serve the front end's messages."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
 
     def send(message: dict) -> None:
         message["worker"] = name
@@ -94,20 +162,24 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
                                            transport["address"], -(-core.max_model_len // core.config.block_size))
         send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
               "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
-        _Worker(role, core, kv, send, kv_lease_s).serve(pull, lambda: os.getppid() == parent)
+        _Worker(role, core, kv, send, kv_lease_s, heartbeat).serve(pull, parent_alive)
     except Exception as err:
         send({"kind": "error", "message": f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"})
-    finally:
-        push.close(linger=1000)
-        pull.close(linger=0)
-        context.term()
 
 
 class _Worker:
     """The loop of one worker around its engine core (separate from the process plumbing, for reading)."""
 
-    def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float) -> None:
-        self.role, self.core, self.transport, self.send, self.kv_lease_s = role, core, transport, send, kv_lease_s
+    def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float,
+                 heartbeat: float | None = None) -> None:
+        self.role, self.core, self.transport, self.kv_lease_s = role, core, transport, kv_lease_s
+        self.heartbeat, self.last_sent = heartbeat, time.monotonic()
+
+        def send_and_note(message: dict) -> None:
+            self.last_sent = time.monotonic()
+            send(message)
+
+        self.send = send_and_note
         self.remote: dict[str, _RemoteLoad] = {}  # decode side: loads by request id
         #: Faults injected on purpose (tests, the chapter): "lose_reads" makes every read vanish in flight.
         self.faults: set[str] = set()
@@ -117,6 +189,11 @@ class _Worker:
         self.adopt: dict[str, Any] = {}  # decode side: requests waiting for their K/V to be written
         core.runner.layer_hook = self.on_layer_stored
         self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
+        # The step under way: when it started, and each layer's (hook entered, hook left) times; what the
+        # prefill of each request that finished in it looked like, for the front end's timelines.
+        self.step_start = 0.0
+        self.layer_marks: list[tuple[float, float]] = []
+        self.timelines: dict[str, dict] = {}
 
     def serve(self, pull: Any, parent_alive: Any) -> None:
         while True:
@@ -136,13 +213,16 @@ class _Worker:
                 timeout_ms = 0
             if not parent_alive():
                 return  # the front end is gone: nobody to serve
+            if self.heartbeat is not None and time.monotonic() - self.last_sent >= self.heartbeat:
+                self.send({"kind": "heartbeat"})
             try:
                 self.watch_transfers()
             except Exception as err:  # a transport fault must not take the worker (and its requests) down
                 self.send({"kind": "warning", "message": f"{type(err).__name__}: {err}"})
             if self.core.has_unfinished_requests():
+                self.step_start, self.layer_marks = time.perf_counter(), []
                 outputs = self.core.step()
-                self.report(outputs)
+                self.report(outputs, time.perf_counter())
 
     def handle(self, message: tuple) -> bool:
         from minipd.engine.request import EngineCoreOutputs
@@ -194,9 +274,14 @@ class _Worker:
 
     # ------------------------------------------------------------------ push and layer-wise transfers
     def on_layer_stored(self, batch: Any, layer: int) -> None:
-        """Layer-wise: write this layer's blocks of the step's pushed requests while the next layer computes."""
-        if not self.pushes:
-            return
+        """Note when this layer finished; layer-wise, write its blocks of the step's pushed requests."""
+        entered = time.perf_counter()
+        if self.pushes:
+            self.push_layer(batch, layer)
+        self.layer_marks.append((entered, time.perf_counter()))
+
+    def push_layer(self, batch: Any, layer: int) -> None:
+        """Write this layer's blocks of the step's layer-wise pushed requests while the next layer computes."""
         bs = self.core.config.block_size
         last_layer = layer == self.core.kv_spec.num_layers - 1
         for request, n in batch.entries:
@@ -207,14 +292,15 @@ class _Worker:
             end = min(-(-(request.num_computed_tokens + n) // bs), len(push.remote_blocks))
             table = request.blocks.block_table
             if end > push.next_block and not push.failed:
-                if not push.started:
-                    push.started = time.perf_counter()
+                posted = time.perf_counter()
+                push.started = push.started or posted
                 try:  # a failed write must not fail the forward pass of every other request
                     push.handles.append(self.transport.start_write(push.peer, table[push.next_block:end],
                                                                    push.remote_blocks[push.next_block:end], [layer]))
                 except Exception:
                     push.failed = True
                     continue
+                push.sends.append((layer, posted, time.perf_counter()))
                 push.num_bytes += (end - push.next_block) * self.core.kv_spec.bytes_per_block // \
                     self.core.kv_spec.num_layers
             if last_layer:  # the partly filled last block is written again with the next chunk
@@ -229,6 +315,7 @@ class _Worker:
                 if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
                     if request is None:  # aborted
                         del self.pushes[request_id]
+                        self.timelines.pop(request_id, None)
                     continue
                 push.prefilled = True
                 push.compute_end = time.perf_counter()
@@ -240,6 +327,7 @@ class _Worker:
                                                                        push.remote_blocks[:n]))
                     except Exception:
                         push.failed = True
+                    push.sends.append((None, push.started, time.perf_counter()))
                     push.num_bytes = n * self.core.kv_spec.bytes_per_block
             states = [self.transport.poll(h) for h in push.handles]  # "ERR" when the reader is gone
             push.handles = [h for h, st in zip(push.handles, states, strict=True) if st == "PROC"]
@@ -247,6 +335,7 @@ class _Worker:
             failed = push.failed or "ERR" in states or expired
             if failed or not push.handles:
                 del self.pushes[request_id]
+                timeline = self.timelines.pop(request_id, {})
                 self.held_since.pop(request_id, None)
                 self.core.release_kv(request_id)
                 if failed:
@@ -258,7 +347,8 @@ class _Worker:
                         self.send({"kind": "kv_failed", "request_id": request_id, "message": "reader gone"})
                         continue
                     self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": push.num_bytes,
-                               "start": push.started, "end": time.perf_counter(), "compute_end": push.compute_end})
+                               "start": push.started, "end": time.perf_counter(), "compute_end": push.compute_end,
+                               "timeline": {**timeline, "sends": push.sends}})
 
     def adopt_arrived(self) -> None:
         """Decode side: admit each request whose K/V have all been written into its reservation."""
@@ -277,18 +367,28 @@ class _Worker:
         self.adopt.pop(request_id, None)
         self.core.release_reservation(request_id)
 
-    def report(self, outputs: Any) -> None:
+    def report(self, outputs: Any, step_end: float | None = None) -> None:
+        """Send the front end a step's (or an abort's) outputs, with the blocks of prefills that hold their K/V."""
         from minipd.engine.request import RequestStatus
 
-        held = {}
+        held, timelines = {}, {}
         for out in outputs.outputs:
             request = self.core.requests.get(out.request_id)
-            if request is not None and request.status is RequestStatus.FINISHED_HOLDING_KV \
-                    and out.request_id not in self.pushes:  # pushed K/V are freed here once written
+            if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
+                continue
+            if step_end is not None:  # this step finished the prefill: how its layers went
+                ends = [start for start, _ in self.layer_marks]
+                starts = [self.step_start] + [end for _, end in self.layer_marks[:-1]]
+                timeline = {"prefill_step": (self.step_start, step_end), "layers": list(zip(starts, ends, strict=True))}
+                if out.request_id in self.pushes:
+                    self.timelines[out.request_id] = timeline  # sent with the push's completion
+                else:
+                    timelines[out.request_id] = timeline
+            if out.request_id not in self.pushes:  # pushed K/V are freed here once written
                 held[out.request_id] = list(request.blocks.block_table)
                 self.held_since[out.request_id] = time.monotonic()
         if outputs.outputs or held:
-            self.send({"kind": "outputs", "outputs": outputs, "held": held,
+            self.send({"kind": "outputs", "outputs": outputs, "held": held, "timelines": timelines,
                        "free_blocks": self.core.block_manager.num_free_blocks})
 
     def watch_transfers(self) -> None:

@@ -1,0 +1,92 @@
+"""Workers launched one by one (``python -m minipd worker``), as on several machines, joining a front
+end that listens (``DisaggregatedLLM(listen=...)``): same outputs as one engine; a killed worker is
+noticed by its silence within ``heartbeat_timeout``; ``shutdown`` sends every worker home. Each
+worker is a subprocess bounded in time and killed at the end, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minipd import LLM, DisaggregatedLLM, SamplingParams
+from minipd.pd.transport import nixl_available
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(roles: list[str], address: str, *extra: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-m", "minipd", "worker", "--role", role, "--connect", address,
+                              "--join-timeout", "120", *extra], env=ENV) for role in roles]
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("kv_transport", ["nixl", "torch"])
+def test_launched_workers_join_serve_and_survive_a_kill(kv_transport):
+    if kv_transport == "nixl" and nixl_available() is not None:
+        pytest.skip(f"needs NIXL: {nixl_available()}")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    workers = launch(["prefill", "decode", "decode"], address)
+    try:
+        prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 3
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        expected = [o.token_ids for o in LLM("tiny-py").generate(prompts, params, use_tqdm=False)]
+        with DisaggregatedLLM("tiny-py", num_decode_workers=2, listen=address, kv_transport=kv_transport,
+                              heartbeat_timeout=3, kv_lease_s=10, start_timeout=120) as pd:
+            pids = pd.worker_pids()
+            assert sorted(p for group in pids.values() for p in group) == sorted(w.pid for w in workers)
+            outputs = pd.generate(prompts, params)
+            assert [o.token_ids for o in outputs] == expected
+            assert {o.metrics.decode_worker for o in outputs} == {"decode0", "decode1"}
+            if kv_transport == "nixl":  # torch's gloo ranks cannot lose a member: the survivors would hang
+                os.kill(pids["decode"][0], signal.SIGKILL)
+                start = time.monotonic()
+                outputs = pd.generate(prompts, params)
+                assert time.monotonic() - start < 30
+                assert [o.token_ids for o in outputs] == expected
+                assert pd.worker_pids()["decode"] == pids["decode"][1:]  # its silence gave it away
+                assert pd.num_recovered_requests > 0
+        for w in workers:  # shutdown sent every live worker home
+            assert w.wait(timeout=30) in (0, -signal.SIGKILL)
+    finally:
+        stop(workers)
+
+
+def test_a_worker_too_many_is_sent_home_and_a_missing_one_times_out():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    workers = launch(["prefill", "prefill"], address)
+    try:
+        with pytest.raises(Exception, match=r"only \{'prefill': 1, 'decode': 0\} of \{'prefill': 1, 'decode': 1\}"):
+            DisaggregatedLLM("tiny-py", listen=address, start_timeout=8)
+        # One prefill worker was refused at once and left; the other joined, and shutdown sent it home.
+        assert sorted(w.wait(timeout=30) for w in workers) == [0, 0]
+    finally:
+        stop(workers)
+
+
+def test_the_worker_command_refuses_bad_input_clearly():
+    run = [sys.executable, "-m", "minipd", "worker"]
+    bad = subprocess.run([*run, "--connect", "tcp://127.0.0.1:9", "--role", "router"], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--role" in bad.stderr and "prefill" in bad.stderr
+    lonely = subprocess.run([*run, "--connect", f"tcp://127.0.0.1:{free_port()}", "--role", "decode",
+                             "--join-timeout", "1"], env=ENV, capture_output=True, text=True, timeout=60)
+    assert lonely.returncode == 2 and "no front end answered" in lonely.stderr
