@@ -241,10 +241,10 @@ class DisaggregatedLLM:
         self._context = zmq.Context()
         self._folder = tempfile.mkdtemp(prefix="minipd-pd-")
         self._pull = self._context.socket(zmq.PULL)
+        hellos: list[dict] = []
         try:
             self._pull.bind(listen)
             wanted = {"prefill": num_prefill, "decode": num_decode}
-            hellos: list[dict] = []
             deadline = time.monotonic() + timeout
             while len(hellos) < num_prefill + num_decode:
                 if time.monotonic() > deadline:
@@ -277,6 +277,11 @@ class DisaggregatedLLM:
             self._wait_ready(max(1.0, deadline - time.monotonic()))
             self._introduce()
         except BaseException:
+            for hello in hellos:  # joined but not yet configured: nothing else would send them home
+                if not any(w.socket is hello["socket"] for w in self._workers.values()):
+                    with contextlib.suppress(Exception):
+                        hello["socket"].send(pickle.dumps(("shutdown",)))
+                        hello["socket"].close(linger=2000)
             self.shutdown()
             raise
 
