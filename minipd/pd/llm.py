@@ -45,21 +45,12 @@ from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishRea
 from minipd.models.registry import resolve_model
 from minipd.outputs import KVTimeline, RequestOutput, StreamDelta
 from minipd.pd.transport import TRANSPORTS, nixl_available
-from minipd.pd.worker import run_worker
+from minipd.pd.worker import free_port, run_worker
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
 KV_TRANSFERS = ("pull", "push", "layerwise")
 logger = logging.getLogger("minipd")
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for torch.distributed's rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerError(RuntimeError):
@@ -212,7 +203,7 @@ class DisaggregatedLLM:
         self._pull.bind(outbox)
         spawn = mp.get_context("spawn")
         world = num_prefill + num_decode
-        address = f"tcp://127.0.0.1:{_free_port()}" if self.kv_transport == "torch" else ""
+        address = f"tcp://127.0.0.1:{free_port()}" if self.kv_transport == "torch" else ""
         try:
             for role, count in (("prefill", num_prefill), ("decode", num_decode)):
                 for index in range(count):
@@ -239,9 +230,8 @@ class DisaggregatedLLM:
         import zmq
 
         self._context = zmq.Context()
-        self._folder = tempfile.mkdtemp(prefix="minipd-pd-")
         self._pull = self._context.socket(zmq.PULL)
-        hellos: list[dict] = []
+        hellos: list[dict] = []  # in the order they came, with the name each worker was given
         try:
             self._pull.bind(listen)
             wanted = {"prefill": num_prefill, "decode": num_decode}
@@ -255,33 +245,29 @@ class DisaggregatedLLM:
                     continue
                 socket = self._context.socket(zmq.PUSH)
                 socket.connect(message["inbox"])
-                if sum(h["role"] == message["role"] for h in hellos) >= wanted[message["role"]]:
+                joined = sum(h["role"] == message["role"] for h in hellos)
+                if joined >= wanted[message["role"]]:
                     socket.send(pickle.dumps(("shutdown",)))  # one too many of its role: send it home
                     socket.close(linger=1000)
                     continue
-                message["socket"] = socket
+                # Registered at once, so that shutdown sends it home whatever happens next.
+                message["name"] = f"{message['role']}{joined}"
+                self._workers[message["name"]] = _Worker(message["name"], message["role"], None, socket,
+                                                         pid=message["pid"], last_seen=time.monotonic(),
+                                                         silence_limit=silence_limit)
                 hellos.append(message)
             ranks = [h["torchrun"] for h in hellos]
             if all(ranks):  # torchrun numbered them and set up the rendezvous
                 address, order = "env://", [r[0] for r in ranks]
             else:  # rank 0 hosts torch.distributed's store, on the port it found free
                 address, order = f"tcp://{hellos[0]['host']}:{hellos[0]['free_port']}", list(range(len(hellos)))
-            counts = {"prefill": 0, "decode": 0}
             for hello, rank in zip(hellos, order, strict=True):
-                name = f"{hello['role']}{counts[hello['role']]}"
-                counts[hello["role"]] += 1
-                self._workers[name] = _Worker(name, hello["role"], None, hello["socket"], pid=hello["pid"],
-                                              last_seen=time.monotonic(), silence_limit=silence_limit)
                 transport = {"name": self.kv_transport, "rank": rank, "world_size": len(hellos), "address": address}
-                self._send(self._workers[name], ("config", name, model, llm_options, kv_lease_s, threads, transport))
+                self._send(self._workers[hello["name"]],
+                           ("config", hello["name"], model, llm_options, kv_lease_s, threads, transport))
             self._wait_ready(max(1.0, deadline - time.monotonic()))
             self._introduce()
         except BaseException:
-            for hello in hellos:  # joined but not yet configured: nothing else would send them home
-                if not any(w.socket is hello["socket"] for w in self._workers.values()):
-                    with contextlib.suppress(Exception):
-                        hello["socket"].send(pickle.dumps(("shutdown",)))
-                        hello["socket"].close(linger=2000)
             self.shutdown()
             raise
 
@@ -316,6 +302,8 @@ class DisaggregatedLLM:
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The pids of the live workers, by role (kill one to watch the others take over)."""
+        if not self._closed:  # launched workers are judged by their heartbeats: read those that wait
+            self._pump(0.0)
         return {role: [w.pid for w in self._workers.values() if w.role == role and w.alive]
                 for role in ("prefill", "decode")}
 
@@ -325,7 +313,8 @@ class DisaggregatedLLM:
             return
         self._closed = True
         for worker in self._workers.values():
-            if worker.alive:
+            # A launched worker may only look dead because nobody listened to its heartbeats: tell it anyway.
+            if worker.process is None or worker.alive:
                 with contextlib.suppress(Exception):
                     self._send(worker, ("shutdown",))
         deadline = time.monotonic() + 10
@@ -341,6 +330,7 @@ class DisaggregatedLLM:
         if hasattr(self, "_pull"):
             self._pull.close(linger=0)
             self._context.term()
+        if hasattr(self, "_folder"):
             shutil.rmtree(self._folder, ignore_errors=True)
         with contextlib.suppress(Exception):
             atexit.unregister(self.shutdown)
@@ -400,6 +390,9 @@ class DisaggregatedLLM:
                         f"prompts[{index}]", "the workers' pools have")
 
     def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
+        # Routing asks which workers are alive; launched ones are judged by heartbeats that may have
+        # waited unread while nobody called us.
+        self._pump(0.0)
         request_id = str(self._next_id)
         self._next_id += 1
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)

@@ -66,6 +66,15 @@ class _RemoteLoad:
 HEARTBEAT_INTERVAL = 1.0
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on now (for torch.distributed's rendezvous)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
                kv_lease_s: float, threads: int | None, transport: dict) -> None:
     """Entry point of a worker process spawned by the front end (it ends when its parent does)."""
@@ -97,8 +106,6 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     prefill, the others decode, and the ``torch`` transport uses torchrun's rendezvous. It serves
     until the front end shuts it down (or it is killed). Returns the exit status.
     """
-    import socket
-
     import zmq
 
     rank = os.environ.get("RANK")
@@ -108,9 +115,6 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         role = "prefill" if int(rank) < num_prefill_workers else "decode"
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    with socket.socket() as probe:  # a free port here, in case this worker hosts torch.distributed's store
-        probe.bind((host, 0))
-        free_port = probe.getsockname()[1]
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.connect(connect)
@@ -118,7 +122,7 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     pull.bind(f"tcp://{host}:*")
     try:
         hello = {"kind": "hello", "role": role, "inbox": pull.getsockopt_string(zmq.LAST_ENDPOINT), "host": host,
-                 "free_port": free_port, "pid": os.getpid(),
+                 "free_port": free_port(host), "pid": os.getpid(),  # in case it hosts torch.distributed's store
                  "torchrun": None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1")))}
         push.send(pickle.dumps(hello, protocol=pickle.HIGHEST_PROTOCOL))
         if not pull.poll(int(join_timeout * 1000)):
@@ -372,14 +376,13 @@ class _Worker:
         from minipd.engine.request import RequestStatus
 
         held, timelines = {}, {}
+        timeline = None
         for out in outputs.outputs:
             request = self.core.requests.get(out.request_id)
             if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
                 continue
-            if step_end is not None:  # this step finished the prefill: how its layers went
-                ends = [start for start, _ in self.layer_marks]
-                starts = [self.step_start] + [end for _, end in self.layer_marks[:-1]]
-                timeline = {"prefill_step": (self.step_start, step_end), "layers": list(zip(starts, ends, strict=True))}
+            if step_end is not None:  # this step finished the prefill: how its layers went (once per step)
+                timeline = timeline or self.step_timeline(step_end)
                 if out.request_id in self.pushes:
                     self.timelines[out.request_id] = timeline  # sent with the push's completion
                 else:
@@ -390,6 +393,13 @@ class _Worker:
         if outputs.outputs or held:
             self.send({"kind": "outputs", "outputs": outputs, "held": held, "timelines": timelines,
                        "free_blocks": self.core.block_manager.num_free_blocks})
+
+    def step_timeline(self, step_end: float) -> dict:
+        """The step just taken: its bounds, and each layer's compute (from the previous hook's return to
+        this layer's hook)."""
+        starts = [self.step_start] + [end for _, end in self.layer_marks[:-1]]
+        return {"prefill_step": (self.step_start, step_end),
+                "layers": [(a, b) for a, (b, _) in zip(starts, self.layer_marks, strict=True)]}
 
     def watch_transfers(self) -> None:
         from minipd.engine.request import FinishReason, RequestStatus
