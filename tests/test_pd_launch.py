@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import pytest
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.pd.transport import nixl_available
+from minipd.pd.worker import free_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(roles: list[str], address: str, *extra: str) -> list[subprocess.Popen]:
