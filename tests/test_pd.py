@@ -143,8 +143,8 @@ def test_with_no_decode_worker_left_the_prefill_worker_decodes(llm):
 def test_bad_arguments_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="kv_transfer must be one of 'pull', 'push', 'layerwise'"):
         DisaggregatedLLM("tiny-py", kv_transfer="teleport")
-    with pytest.raises(ValueError, match="needs kv_transport='nixl'"):
-        DisaggregatedLLM("tiny-py", kv_transfer="push", kv_transport="torch")
+    with pytest.raises(ValueError, match="kv_transport must be one of 'nixl', 'torch'"):
+        DisaggregatedLLM("tiny-py", kv_transport="carrier-pigeon")
     with pytest.raises(ValueError, match="num_prefill_workers"):
         DisaggregatedLLM("tiny-py", num_prefill_workers=0)
     with pytest.raises(ValueError, match="unknown engine option"):
@@ -178,18 +178,56 @@ def test_full_decode_pools_hold_new_prompts_back(llm):
         wait_until_blocks_free(pd)
 
 
-def test_torch_distributed_transport_gives_the_same_outputs(llm):
-    """The fallback for platforms without NIXL: the same reads over gloo point-to-point messages."""
+def test_torch_distributed_transport_gives_the_same_outputs_in_every_mode(llm):
+    """The fallback for platforms without NIXL: reads and acknowledged writes over gloo point-to-point
+    messages, with chunked prefill so layer-wise writes span several steps."""
     prompts, params = mixed(llm, 16)
     expected = tokens(llm.generate(prompts, params))
-    with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_lease_s=20, start_timeout=120) as pd:
+    per_block = 2 * llm.config.num_hidden_layers * 16 * llm.config.num_key_value_heads * llm.config.head_dim * 4
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", max_num_batched_tokens=32, kv_lease_s=20,
+                          start_timeout=120) as pd:
         pids = [p for group in pd.worker_pids().values() for p in group]
-        outputs = pd.generate(prompts, params)
-        assert tokens(outputs) == expected
-        moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
-        assert moved and all(o.metrics.kv_transfer_bytes > 0 for o in moved)
-        wait_until_blocks_free(pd)
+        for mode in ("pull", "push", "layerwise"):
+            pd.kv_transfer = mode
+            outputs = pd.generate(prompts, params)
+            assert tokens(outputs) == expected, mode
+            assert pd.num_recovered_requests == 0, mode
+            moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+            assert moved and all(o.metrics.kv_transfer_bytes >= -(-len(o.prompt_token_ids) // 16) * per_block
+                                 for o in moved), mode
+            assert all(o.metrics.kv_timeline.mode == mode for o in moved)
+            wait_until_blocks_free(pd)
     assert_gone(pids)
+
+
+def test_writes_that_land_late_never_reach_blocks_given_to_another_request(llm):
+    """A request that ends at its first token lets go of its decode reservation while layer-wise writes
+    into it may still be arriving. Those blocks are the next ones a growing decode takes, so the decode
+    worker must keep them until the prefill worker says its writes are over, or a late write would
+    overwrite a running request's K/V. Writes are slowed on purpose to hold that window open."""
+    ids = llm.tokenizer.encode("def parse(argv=None):\n    parser = argparse.ArgumentParser()\n" * 8)
+    runners = [ids[i:i + 12] for i in range(4)]
+    one_token = [ids[i:i + 80] for i in range(4, 10)]
+    run_params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    one_params = SamplingParams(temperature=0, max_tokens=1)
+    expected = tokens(llm.generate(runners + one_token, [run_params] * 4 + [one_params] * 6))
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", enable_prefix_caching=False, kv_lease_s=20,
+                          start_timeout=120) as pd:
+        pd.inject_fault("decode0", "slow_writes")
+        with pytest.raises(ValueError, match="fault must be"):
+            pd.inject_fault("decode0", "gremlins")
+        states = [pd.processor.states[pd.add_request(p, run_params)] for p in runners]
+        deadline = time.monotonic() + 60
+        while min(len(s.token_ids) for s in states) < 4:  # decoding, about to need new blocks
+            assert time.monotonic() < deadline
+            pd.step()
+        states += [pd.processor.states[pd.add_request(p, one_params)] for p in one_token]
+        while not all(s.finished for s in states):
+            assert time.monotonic() < deadline
+            pd.step()
+        assert tokens([s.to_output() for s in states]) == expected
+        assert pd.num_recovered_requests == 0
+        wait_until_blocks_free(pd)
 
 
 @needs_nixl
@@ -197,7 +235,7 @@ def test_a_read_that_never_completes_runs_into_its_lease_and_is_recomputed(llm):
     prompts, params = mixed(llm, 8)
     params = [SamplingParams(temperature=p.temperature, seed=p.seed, max_tokens=12, ignore_eos=True) for p in params]
     expected = tokens(llm.generate(prompts, params))
-    with DisaggregatedLLM("tiny-py", kv_lease_s=1.0, start_timeout=120) as pd:
+    with DisaggregatedLLM("tiny-py", kv_transfer="pull", kv_lease_s=1.0, start_timeout=120) as pd:
         pd.inject_fault("decode0", "lose_reads")
         start = time.monotonic()
         outputs = pd.generate(prompts, params)

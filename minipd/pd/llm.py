@@ -7,16 +7,19 @@ The front end (this process) tokenises, routes and detokenises; the workers
    samples the first token (with the request's own seed, token index 0) and keeps the prompt's
    blocks;
 2. unless that token ends it, it goes on to the decode worker with the most free KV blocks, as a
-   request whose prompt K/V are elsewhere: the decode worker allocates blocks, reads the prefill
-   worker's blocks into them over NIXL (``kv_transfer="pull"``), and the prefill worker frees its
-   copy as soon as the read is done;
+   request whose prompt K/V are elsewhere. With ``kv_transfer="layerwise"`` (the default) the decode
+   worker reserved blocks before the prefill started and the prefill worker wrote each layer's K/V
+   into them as soon as that layer stored them, while the next layer computed; with ``"push"`` it
+   writes them all once the prefill is done; with ``"pull"`` the decode worker allocates blocks after
+   the prefill and reads the prefill worker's blocks into them. The prefill worker frees its copy as
+   soon as the transfer is done (over NIXL, or ``torch.distributed`` where NIXL is missing);
 3. the decode worker samples every later token (token index 1 on), so the outputs are the ones a
    single engine gives, greedy or seeded.
 
 If a worker dies, the front end notices within a poll and sends its unfinished requests elsewhere,
 recomputed from the prompt and the tokens already produced (seeded sampling depends only on the
 seed and the token index, so the continuation is the same); with no decode worker left, a prefill
-worker decodes. A read that never completes is bounded by ``kv_lease_s`` on both sides.
+worker decodes. A transfer that never completes is bounded by ``kv_lease_s`` on both sides.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class _Flight:
     dest: str = ""
     kv_done: bool = False
     mode: str = "pull"  # the kv_transfer in force when the request arrived
+    held_back: bool = False  # it has waited in the backlog for decode room at least once
 
 
 class DisaggregatedLLM:
@@ -126,7 +130,7 @@ class DisaggregatedLLM:
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, num_prefill_workers: int = 1,
-                 num_decode_workers: int = 1, kv_transfer: str = "pull", kv_transport: str | None = None,
+                 num_decode_workers: int = 1, kv_transfer: str = "layerwise", kv_transport: str | None = None,
                  kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
                  listen: str | None = None, heartbeat_timeout: float = 10.0, **llm_options: Any) -> None:
@@ -163,7 +167,8 @@ class DisaggregatedLLM:
         self._closed = False
         #: Requests sent to another worker because theirs died or a K/V read failed.
         self.num_recovered_requests = 0
-        #: Requests held back before prefill because no decode worker had room for them (backpressure).
+        #: Requests held back before prefill, at least once, because no decode worker had room for them
+        #: (backpressure).
         self.num_backpressured = 0
         self._backlog: list[_Flight] = []
         self._deltas: list[StreamDelta] = []  # produced by the pump since the last step()
@@ -186,9 +191,6 @@ class DisaggregatedLLM:
     def kv_transfer(self, mode: str) -> None:
         if mode not in KV_TRANSFERS:
             raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {mode!r}")
-        if self.kv_transport == "torch" and mode != "pull":
-            raise ValueError(f"kv_transfer={mode!r} writes into another worker's memory, which needs "
-                             "kv_transport='nixl'; the torch transport supports 'pull'")
         self._kv_transfer = mode
 
     # ------------------------------------------------------------------------------- processes
@@ -405,8 +407,7 @@ class DisaggregatedLLM:
         self._flights[request_id] = flight
         if self._backlog or not self._decode_has_room(flight):
             # Backpressure: the prompt waits here (its TTFT grows) rather than piling up in a decode queue.
-            self.num_backpressured += 1
-            self._backlog.append(flight)
+            self._hold_back(flight)
         else:
             self._to_prefill(flight)
         return state
@@ -419,10 +420,20 @@ class DisaggregatedLLM:
         decoders = self._role("decode")
         if not decoders:
             return True  # the prefill workers decode themselves
-        # Prefills whose blocks are not reserved yet (push modes reserve, and free_blocks already counts them).
-        coming = sum(self._blocks_for(f) for f in self._flights.values()
-                     if f.phase == "prefill" and f.worker and not f.dest)
-        return max(w.free_blocks for w in decoders) - coming >= self._blocks_for(flight)
+        # Prefills whose blocks are not reserved yet (push modes reserve, and free_blocks already counts
+        # them) will each go where the router sends them: to the worker with the most room at the time.
+        room = [w.free_blocks for w in decoders]
+        for other in self._flights.values():
+            if other.phase == "prefill" and other.worker and not other.dest:
+                room[room.index(max(room))] -= self._blocks_for(other)
+        return max(room) >= self._blocks_for(flight)
+
+    def _hold_back(self, flight: _Flight, first: bool = False) -> None:
+        """Put ``flight`` in the backlog (at its head when it was already admitted once)."""
+        if not flight.held_back:
+            flight.held_back = True
+            self.num_backpressured += 1
+        self._backlog.insert(0 if first else len(self._backlog), flight)
 
     def _admit_backlog(self) -> None:
         while self._backlog and self._decode_has_room(self._backlog[0]):
@@ -463,11 +474,10 @@ class DisaggregatedLLM:
         if blocks is None or not workers:  # no room after all (or no prefill worker): wait, or go on without
             flight.phase, flight.dest = "prefill", ""
             if blocks is not None:
-                self._send(dest, ("release_reservation", flight.request.request_id))
+                self._send(dest, ("release_reservation", flight.request.request_id, False))
             if not workers:
                 return self._to_decode(flight, recompute=True)
-            self.num_backpressured += 1
-            self._backlog.insert(0, flight)
+            self._hold_back(flight, first=True)
             return None
         return self._prefill_on(flight, min(workers, key=lambda w: len(w.requests)), blocks)
 
@@ -538,7 +548,7 @@ class DisaggregatedLLM:
             flight = self._flights.get(message["request_id"])
             if flight is None or flight.phase != "reserving":
                 if message["blocks"] is not None:
-                    self._send(worker, ("release_reservation", message["request_id"]))
+                    self._send(worker, ("release_reservation", message["request_id"], False))
             else:
                 self._on_reserved(flight, message["blocks"])
         elif kind == "kv_loaded":
@@ -562,7 +572,8 @@ class DisaggregatedLLM:
                 if flight.phase == "decode":
                     self.num_recovered_requests += 1
                     if flight.dest and self._workers[flight.dest].alive:
-                        self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+                        self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id,
+                                                                True))
                     flight.dest = ""
                     self._to_decode(flight, recompute=True)
         elif kind == "warning":
@@ -617,7 +628,9 @@ class DisaggregatedLLM:
         if held is not None:
             self._send(worker, ("release_kv", flight.request.request_id))
         if flight.dest and self._workers[flight.dest].alive:
-            self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+            # Its K/V may still be on their way into the reservation: the decode worker frees it once
+            # the prefill worker says its writes are over.
+            self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id, True))
         flight.dest = ""
 
     def _continues(self, flight: _Flight, out: EngineCoreOutput) -> bool:
@@ -644,7 +657,7 @@ class DisaggregatedLLM:
         for flight in orphans:
             if flight.dest and flight.dest != worker.name and self._workers[flight.dest].alive:
                 # Its prefill worker died: the decode worker's reservation will never be filled.
-                self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id))
+                self._send(self._workers[flight.dest], ("release_reservation", flight.request.request_id, False))
             flight.dest, flight.kv_done = "", True
             if flight.phase in ("prefill", "reserving"):
                 self._to_prefill(flight)
@@ -703,9 +716,14 @@ class DisaggregatedLLM:
 
     def inject_fault(self, worker: str, fault: str) -> None:
         """Make a worker misbehave on purpose, to watch recovery: ``"lose_reads"`` (every K/V read the
-        decode worker starts vanishes in flight, so leases must expire and requests be recomputed)."""
-        if fault not in ("lose_reads",):
-            raise ValueError(f"fault must be 'lose_reads', got {fault!r}")
+        decode worker starts vanishes in flight, so leases must expire and requests be recomputed) or
+        ``"slow_writes"`` (with ``kv_transport="torch"``: every K/V write into this worker lands 20 ms
+        late, so writes are still arriving when the front end has moved on)."""
+        if fault not in ("lose_reads", "slow_writes"):
+            raise ValueError(f"fault must be 'lose_reads' or 'slow_writes', got {fault!r}")
+        if fault == "slow_writes" and self.kv_transport != "torch":
+            raise ValueError("fault 'slow_writes' needs kv_transport='torch' (NIXL writes land without the "
+                             "receiving worker's help)")
         if worker not in self._workers:
             raise ValueError(f"worker must be one of {', '.join(self._workers)}, got {worker!r}")
         self._send(self._workers[worker], ("fault", fault))

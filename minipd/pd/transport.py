@@ -3,7 +3,8 @@
 A transport registers a worker's paged pool once and then moves *blocks*: the decode worker reads
 (``"pull"``) the blocks a finished prefill holds, straight from the prefill worker's memory into its
 own freshly allocated blocks, and the prefill worker is notified when the read is done so it can
-free them. Only the request's blocks move, one descriptor per (layer, K or V, block).
+free them; or the prefill worker writes (``"push"``, ``"layerwise"``) into blocks the decode worker
+reserved. Only the request's blocks move, one descriptor per (layer, K or V, block).
 
 :class:`NixlTransport` uses NIXL (the transfer library behind vLLM's NixlConnector and NVIDIA
 Dynamo); with its UCX backend it moves registered CPU memory between processes, and GPU memory over
@@ -15,6 +16,7 @@ where NIXL is missing.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,20 +157,27 @@ class NixlTransport:
 
 
 class TorchDistributedTransport:
-    """The same reads over ``torch.distributed`` point-to-point messages (gloo on CPU), for where NIXL is missing.
+    """The same reads and writes over ``torch.distributed`` point-to-point messages (gloo on CPU), for
+    where NIXL is missing.
 
-    torch.distributed cannot read another process's memory, so a read is a request and a reply: the
-    reader sends the owner a small header (which blocks, a notification to deliver), the owner packs
-    those blocks and sends them, and the reader writes them into its own blocks. gloo's sends and
-    receives complete only inside a blocking ``wait``, so each worker waits in background threads: one
-    serving headers from any rank, one per read under way. Every worker joins one process group at
-    start-up. A peer that dies breaks the transfers under way; they run into their lease and the
-    requests are recomputed.
+    torch.distributed cannot touch another process's memory, so every transfer is a conversation with
+    the owner of the far pool. A read sends the owner a small header (which blocks, a notification to
+    deliver); the owner packs those blocks and sends them back, and the reader writes them into its
+    own blocks. A write sends a header (which blocks, which layers) followed by the packed blocks; the
+    owner writes them into its pool and acknowledges, and only then is the write done, so "done" means
+    what it means for NIXL: the bytes are in the far pool. gloo's sends and receives complete only
+    inside a blocking ``wait``, so each worker waits in background threads: one serving headers from
+    any rank, one per transfer under way. Every worker joins one process group at start-up. A peer
+    that dies breaks the transfers under way; they run into their lease and the requests are
+    recomputed.
     """
 
     name = "torch"
-    #: Header: tag, sender rank, block count, notification length, 64 bytes of notification, block ids.
+    #: Header: tag, sender rank, block count, notification length, kind, first layer, layer count, then
+    #: 64 bytes of notification and the block ids.
+    _FIELDS = 7
     _NOTE = 8
+    _READ, _WRITE = 0, 1
 
     def __init__(self, agent_name: str, pool: PagedKVPool, rank: int, world_size: int, address: str,
                  max_blocks_per_request: int) -> None:
@@ -187,10 +196,12 @@ class TorchDistributedTransport:
         self._next_tag = 1
         self._notes: list[bytes] = []
         self._lock = threading.Lock()
+        #: Seconds each incoming write waits before it is stored (a fault for tests: writes that land late).
+        self.store_delay_s = 0.0
         threading.Thread(target=self._serve, name=f"{agent_name}-kv-server", daemon=True).start()
 
     def _header_size(self) -> int:
-        return 4 + self._NOTE + self.max_blocks
+        return self._FIELDS + self._NOTE + self.max_blocks
 
     def peer_info(self) -> dict[str, Any]:
         """What a peer needs: this worker's rank in the group."""
@@ -200,44 +211,80 @@ class TorchDistributedTransport:
         """Learn another worker's rank."""
         self._peers[info["name"]] = info["rank"]
 
-    def start_read(self, peer: str, remote_blocks: list[int], local_blocks: list[int], notification: bytes) -> Any:
-        """Ask ``peer`` for ``remote_blocks``; they land in ``local_blocks`` when :meth:`poll` says DONE."""
-        import threading
-
+    def _header(self, kind: int, blocks: list[int], note: bytes = b"",
+                layers: tuple[int, int] | None = None) -> tuple[int, Any]:
         import torch
 
-        if len(remote_blocks) != len(local_blocks) or len(remote_blocks) > self.max_blocks:
-            raise ValueError(f"cannot read {len(remote_blocks)} blocks into {len(local_blocks)} "
-                             f"(at most {self.max_blocks})")
-        note = notification[:self._NOTE * 8]
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"cannot move {len(blocks)} blocks in one transfer (at most {self.max_blocks})")
         tag, self._next_tag = self._next_tag, self._next_tag + 1
+        first, count = layers if layers is not None else (0, self.pool.k.shape[0])
         header = torch.zeros(self._header_size(), dtype=torch.int64)
-        header[:4] = torch.tensor([tag, self.rank, len(remote_blocks), len(note)])
-        header[4:4 + self._NOTE] = torch.frombuffer(bytearray(note.ljust(self._NOTE * 8, b"\0")), dtype=torch.int64)
-        header[4 + self._NOTE:4 + self._NOTE + len(remote_blocks)] = torch.tensor(remote_blocks, dtype=torch.int64)
-        src = self._peers[peer]
-        handle: dict[str, Any] = {"state": "PROC", "blocks": list(local_blocks)}
-        shape = (2, self.pool.k.shape[0], len(remote_blocks), *self.pool.k.shape[2:])
-        buffer = torch.empty(shape, dtype=self.pool.k.dtype)
-        # The receive is posted before the header leaves, so the reply always has somewhere to land.
-        receive = self.dist.irecv(buffer, src=src, tag=tag) if remote_blocks else None
-        send = self.dist.isend(header, dst=src)
+        header[:self._FIELDS] = torch.tensor([tag, self.rank, len(blocks), len(note), kind, first, count])
+        header[self._FIELDS:self._FIELDS + self._NOTE] = torch.frombuffer(
+            bytearray(note.ljust(self._NOTE * 8, b"\0")), dtype=torch.int64)
+        offset = self._FIELDS + self._NOTE
+        header[offset:offset + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        return tag, header
+
+    def _wait_in_background(self, handle: dict[str, Any], works: list[Any], done_state: str) -> None:
+        import threading
 
         def wait() -> None:
             try:
-                send.wait()
-                if receive is not None:
-                    receive.wait()
-                handle["buffer"] = buffer
-                handle["state"] = "RECEIVED"
+                for work in works:
+                    work.wait()
+                handle["state"] = done_state
             except RuntimeError:
                 handle["state"] = "ERR"
 
-        threading.Thread(target=wait, name=f"{self.agent_name}-kv-read-{tag}", daemon=True).start()
+        threading.Thread(target=wait, name=f"{self.agent_name}-kv-transfer", daemon=True).start()
+
+    def start_read(self, peer: str, remote_blocks: list[int], local_blocks: list[int], notification: bytes) -> Any:
+        """Ask ``peer`` for ``remote_blocks``; they land in ``local_blocks`` when :meth:`poll` says DONE."""
+        import torch
+
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError(f"cannot read {len(remote_blocks)} blocks into {len(local_blocks)}")
+        tag, header = self._header(self._READ, remote_blocks, notification[:self._NOTE * 8])
+        src = self._peers[peer]
+        handle: dict[str, Any] = {"state": "PROC", "blocks": list(local_blocks)}
+        works = []
+        if remote_blocks:
+            # The receive is posted before the header leaves, so the reply always has somewhere to land.
+            handle["buffer"] = torch.empty((2, self.pool.k.shape[0], len(remote_blocks), *self.pool.k.shape[2:]),
+                                           dtype=self.pool.k.dtype)
+            works.append(self.dist.irecv(handle["buffer"], src=src, tag=tag))
+        works.insert(0, self.dist.isend(header, dst=src))
+        self._wait_in_background(handle, works, "RECEIVED")
+        return handle
+
+    def start_write(self, peer: str, local_blocks: list[int], remote_blocks: list[int],
+                    layers: list[int] | None = None) -> Any:
+        """Send our ``local_blocks`` (of ``layers``, a contiguous run, all by default) into ``peer``'s
+        ``remote_blocks``; :meth:`poll` says DONE once the peer has stored them."""
+        import torch
+
+        if len(remote_blocks) != len(local_blocks):
+            raise ValueError(f"{len(local_blocks)} blocks to write into {len(remote_blocks)}")
+        first, count = (0, self.pool.k.shape[0]) if layers is None else (min(layers), len(layers))
+        if layers is not None and sorted(layers) != list(range(first, first + count)):
+            raise ValueError(f"layers must be a contiguous run, got {layers}")
+        tag, header = self._header(self._WRITE, remote_blocks, layers=(first, count))
+        dst = self._peers[peer]
+        index = torch.tensor(local_blocks, dtype=torch.long)
+        # Packed now, so the bytes sent are this moment's even if the pool changes while they travel.
+        packed = torch.stack((self.pool.k[first:first + count, index],
+                              self.pool.v[first:first + count, index])).contiguous()
+        handle: dict[str, Any] = {"state": "PROC", "blocks": [], "packed": packed}
+        acknowledgement = torch.zeros(1, dtype=torch.int64)
+        works = [self.dist.irecv(acknowledgement, src=dst, tag=tag), self.dist.isend(header, dst=dst),
+                 self.dist.isend(packed, dst=dst, tag=tag)]
+        self._wait_in_background(handle, works[1:] + works[:1], "DONE")
         return handle
 
     def poll(self, handle: Any) -> str:
-        """``"DONE"`` once the blocks are written into ours, ``"PROC"`` before, ``"ERR"`` if the peer failed."""
+        """``"DONE"`` once the blocks are in place, ``"PROC"`` before, ``"ERR"`` if the peer failed."""
         import torch
 
         state = handle["state"]
@@ -251,20 +298,31 @@ class TorchDistributedTransport:
         return "DONE"
 
     def _serve(self) -> None:
-        """Owner side, in its own thread: answer every header, then note that the read is done."""
+        """Owner side, in its own thread: answer every read, store every write, then note what was done."""
         import torch
 
+        offset = self._FIELDS + self._NOTE
         while True:
             header = torch.zeros(self._header_size(), dtype=torch.int64)
             try:
                 self.dist.irecv(header).wait()  # from any rank
-                tag, requester, count, note_len = (int(x) for x in header[:4])
-                note = header[4:4 + self._NOTE].numpy().tobytes()[:note_len]
-                blocks = header[4 + self._NOTE:4 + self._NOTE + count].tolist()
-                if blocks:
-                    index = torch.tensor(blocks, dtype=torch.long)
+                tag, peer, count, note_len, kind, first, layers = (int(x) for x in header[:self._FIELDS])
+                note = header[self._FIELDS:offset].numpy().tobytes()[:note_len]
+                index = header[offset:offset + count].clone()
+                if kind == self._WRITE:
+                    # The blocks were reserved for the sender's request and nothing reads them until
+                    # the front end hears the write is done, so storing them from this thread is safe.
+                    packed = torch.empty((2, layers, count, *self.pool.k.shape[2:]), dtype=self.pool.k.dtype)
+                    self.dist.irecv(packed, src=peer, tag=tag).wait()
+                    if self.store_delay_s:
+                        time.sleep(self.store_delay_s)
+                    self.pool.k[first:first + layers, index] = packed[0]
+                    self.pool.v[first:first + layers, index] = packed[1]
+                    self.dist.isend(torch.ones(1, dtype=torch.int64), dst=peer, tag=tag).wait()
+                    continue
+                if count:
                     packed = torch.stack((self.pool.k[:, index], self.pool.v[:, index])).contiguous()
-                    self.dist.isend(packed, dst=requester, tag=tag).wait()
+                    self.dist.isend(packed, dst=peer, tag=tag).wait()
             except RuntimeError:
                 return  # the group is broken (a peer died): transfers under way run into their lease
             with self._lock:

@@ -43,6 +43,7 @@ class _Push:
     num_bytes: int = 0
     prefilled: bool = False
     failed: bool = False
+    aborted: bool = False  # the request was aborted here: finish the writes under way, then tell the reader
     compute_end: float = 0.0  # when the step that finished the prefill ended
     sends: list = None  # type: ignore[assignment]  # (layer or None, post start, post end) of each write
 
@@ -190,6 +191,11 @@ class _Worker:
         self.pushes: dict[str, _Push] = {}  # prefill side, push modes: writes by request id
         self.reserved_at: dict[str, float] = {}  # decode side, push modes: reservations by request id
         self.pushed: set[str] = set()  # decode side: reservations whose K/V have all been written
+        #: Decode side: reservations whose writer gave up, and reservations the front end let go of while
+        #: writes into them may still be under way (freed when the writer says its writes are over, so a
+        #: late write never lands in blocks given to another request).
+        self.abandoned: set[str] = set()
+        self.releasing: set[str] = set()
         self.adopt: dict[str, Any] = {}  # decode side: requests waiting for their K/V to be written
         core.runner.layer_hook = self.on_layer_stored
         self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
@@ -251,6 +257,8 @@ class _Worker:
                 self.transport.add_peer(message[1])
             elif kind == "fault":
                 self.faults.add(message[1])
+                if message[1] == "slow_writes":
+                    self.transport.store_delay_s = 0.02
             elif kind == "add_push":
                 request, peer, blocks, layerwise = message[1:]
                 self.core.add_request(request)
@@ -264,7 +272,12 @@ class _Worker:
                 self.adopt[message[1].request_id] = message[1]
                 self.adopt_arrived()
             elif kind == "release_reservation":
-                self.drop_reservation(message[1])
+                request_id, writes_started = message[1], message[2]
+                if writes_started and request_id in self.reserved_at and \
+                        not (request_id in self.pushed or request_id in self.abandoned):
+                    self.releasing.add(request_id)
+                else:
+                    self.drop_reservation(request_id)
             elif kind == "stats":
                 bm = self.core.block_manager
                 self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
@@ -315,11 +328,11 @@ class _Worker:
 
         for request_id, push in list(self.pushes.items()):
             request = self.core.requests.get(request_id)
-            if not push.prefilled:
-                if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
-                    if request is None:  # aborted
-                        del self.pushes[request_id]
-                        self.timelines.pop(request_id, None)
+            if request is None and not push.aborted:
+                push.aborted = True
+                self.timelines.pop(request_id, None)
+            if not push.prefilled and not push.aborted:
+                if request.status is not RequestStatus.FINISHED_HOLDING_KV:
                     continue
                 push.prefilled = True
                 push.compute_end = time.perf_counter()
@@ -341,6 +354,12 @@ class _Worker:
                 del self.pushes[request_id]
                 timeline = self.timelines.pop(request_id, {})
                 self.held_since.pop(request_id, None)
+                if failed or push.aborted:
+                    # "!": no more writes will come, and what was written must not be used.
+                    with contextlib.suppress(Exception):  # a reader that is gone needs no word
+                        self.transport.notify(push.peer, b"!" + request_id.encode())
+                    if push.aborted:
+                        continue
                 self.core.release_kv(request_id)
                 if failed:
                     self.send({"kind": "kv_failed", "request_id": request_id, "message": "push failed"})
@@ -368,6 +387,8 @@ class _Worker:
     def drop_reservation(self, request_id: str) -> None:
         self.reserved_at.pop(request_id, None)
         self.pushed.discard(request_id)
+        self.abandoned.discard(request_id)
+        self.releasing.discard(request_id)
         self.adopt.pop(request_id, None)
         self.core.release_reservation(request_id)
 
@@ -409,11 +430,14 @@ class _Worker:
         # Prefill side (pull): a finished read frees the blocks at once; an expired lease frees them anyway.
         # Decode side (push): the writer's notification says a reservation is filled.
         for message in self.transport.notifications():
-            request_id = message.decode()
-            if self.held_since.pop(request_id, None) is not None:
+            given_up = message.startswith(b"!")
+            request_id = message[1:].decode() if given_up else message.decode()
+            if not given_up and self.held_since.pop(request_id, None) is not None:
                 self.core.release_kv(request_id)
+            elif request_id in self.releasing:  # the front end let go of it; now no write can land
+                self.drop_reservation(request_id)
             elif request_id in self.reserved_at:
-                self.pushed.add(request_id)
+                (self.abandoned if given_up else self.pushed).add(request_id)
         self.adopt_arrived()
         for request_id, since in list(self.reserved_at.items()):
             if now - since > self.kv_lease_s and request_id not in self.pushed:
