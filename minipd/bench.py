@@ -183,13 +183,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF's continuous batching baseline")
+    parser.add_argument("--rounds", type=int, default=3, help="pd: interleaved repetitions of every system (>= 1)")
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error("--scale must be in (0, 1]")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.workload == "pd":
         from minipd.bench_pd import main as pd_main
 
-        return pd_main(args.model, args.scale)
+        return pd_main(args.model, args.scale, args.rounds)
 
     from transformers import AutoModelForCausalLM
 

@@ -10,8 +10,11 @@ same wall-clock schedule for every system:
 
 Reported per system: P50/P99 time per output token of the steady requests (every gap between two
 tokens), P50/P99 time to first token of the long prompts, and throughput; then the split/colocated
-ratio of P99 TPOT (goal: ≤ 0.5). The variants are interleaved and repeated; min and median are
-printed. A second table gives KV bytes and transfer time per request against prompt length.
+ratio of P99 TPOT (goal: ≤ 0.5). A second workload, short prompts only, shows where splitting loses
+(nothing to isolate, half the cores per phase, a hop and a transfer per request). The variants are
+interleaved and repeated; min and median are printed. Prefix caching is off everywhere, since
+every round replays the same prompts. A last table gives KV bytes and transfer time per request
+against prompt length, per transfer mode.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class Arrival:
     at: float
     prompt: list[int]
     max_tokens: int
-    steady: bool
+    steady: bool  # its gaps count towards TPOT; the others' first tokens count towards TTFT
+    timed: bool = False  # its first token counts towards TTFT even though it is steady
 
 
 def schedule(vocab_size: int, scale: float = 1.0, seed: int = 0) -> list[Arrival]:
@@ -46,6 +50,15 @@ def schedule(vocab_size: int, scale: float = 1.0, seed: int = 0) -> list[Arrival
     steady = [Arrival(0.0, prompt(32), max(8, int(160 * scale)), True) for _ in range(6)]
     bursts = [Arrival(0.3 + 0.6 * b, prompt(768), 4, False) for b in range(3) for _ in range(3)]
     return steady + bursts
+
+
+def schedule_short(vocab_size: int, scale: float = 1.0, seed: int = 1) -> list[Arrival]:
+    """Where splitting loses: only short prompts (nothing long to interfere), one every 40 ms."""
+    import random
+
+    rng = random.Random(seed)
+    return [Arrival(0.04 * i, [rng.randrange(1, vocab_size) for _ in range(max(2, int(48 * scale)))],
+                    max(8, int(64 * scale)), True, timed=True) for i in range(16)]
 
 
 @dataclass
@@ -87,7 +100,7 @@ def drive(add: Callable[[list[int], SamplingParams], str], step: Callable[[], ob
         produced += len(out.token_ids)  # type: ignore[attr-defined]
         if a.steady:
             tpot += m.inter_token_latencies
-        elif m.ttft is not None:
+        if (a.timed or not a.steady) and m.ttft is not None:
             ttft.append(m.ttft)
     return Run(system, tpot, ttft, seconds, produced)
 
@@ -127,11 +140,15 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
     from minipd import LLM, DisaggregatedLLM
 
     torch.set_num_threads(2)
-    colocated = LLM(model)
-    chunked = LLM(model, max_num_batched_tokens=64)
+    # Prefix caching off everywhere: every round replays the same prompts, and a cache hit would turn a
+    # later round's 768-token prefill into a lookup (and the systems share nothing else between rounds).
+    colocated = LLM(model, enable_prefix_caching=False)
+    chunked = LLM(model, max_num_batched_tokens=64, enable_prefix_caching=False)
     arrivals = schedule(colocated.config.vocab_size, scale)
+    shorts = schedule_short(colocated.config.vocab_size, scale)
     runs: dict[str, list[Run]] = {}
-    with DisaggregatedLLM(model, threads_per_worker=1) as pd:
+    short_runs: dict[str, list[Run]] = {}
+    with DisaggregatedLLM(model, threads_per_worker=1, enable_prefix_caching=False) as pd:
         warm = [[5] * 16]
         colocated.generate(warm, SamplingParams(max_tokens=4))
         chunked.generate(warm, SamplingParams(max_tokens=4))
@@ -144,29 +161,26 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
                         run_colocated(chunked, arrivals, "colocated, chunked prefill (64-token budget)"),
                         run_split(pd, arrivals)):
                 runs.setdefault(run.system, []).append(run)
+            for run in (run_colocated(colocated, shorts, "colocated"), run_split(pd, shorts)):
+                short_runs.setdefault(run.system, []).append(run)
     transfer = {}
     for mode in ("pull", "push", "layerwise"):
-        with DisaggregatedLLM(model, threads_per_worker=1, kv_transfer=mode) as pd:
+        with DisaggregatedLLM(model, threads_per_worker=1, kv_transfer=mode, enable_prefix_caching=False) as pd:
             pd.generate([[5] * 16], SamplingParams(max_tokens=2))
             transfer[mode] = measure_transfer(pd, colocated.config.vocab_size, scale)
     print(f"\n[pd] {sum(a.steady for a in arrivals)} steady requests, bursts of {sum(not a.steady for a in arrivals)} "
           f"long prompts; {rounds} interleaved rounds, min / median of each figure")
-    print(f"  {'system':48} {'TPOT P50':>10} {'TPOT P99':>10} {'TTFT P50':>10} {'TTFT P99':>10} {'tok/s':>8}")
-    summary = {}
-    for system, rs in runs.items():
-        figures = {
-            "tpot50": [r.pct(r.tpot, 0.5) * 1e3 for r in rs], "tpot99": [r.pct(r.tpot, 0.99) * 1e3 for r in rs],
-            "ttft50": [r.pct(r.ttft, 0.5) * 1e3 for r in rs], "ttft99": [r.pct(r.ttft, 0.99) * 1e3 for r in rs],
-            "tput": [r.output_tokens / r.seconds for r in rs]}
-        summary[system] = {k: (min(v), statistics.median(v)) for k, v in figures.items()}
-        s = summary[system]
-        print(f"  {system:48} " + " ".join(f"{s[k][0]:6.1f}/{s[k][1]:<5.1f}" if k != "tput" else f"{s[k][1]:8.0f}"
-                                           for k in ("tpot50", "tpot99", "ttft50", "ttft99", "tput")))
+    summary = _table(runs)
     split, colo = summary["split (1 prefill + 1 decode worker)"], summary["colocated"]
     ratio = split["tpot99"][1] / colo["tpot99"][1]
     print(f"  P99 TPOT split / colocated (medians)                   {ratio:5.2f}x   target <= 0.5x  "
           f"{'met' if ratio <= 0.5 else 'MISSED'}")
     print(f"  P99 TTFT split / colocated (medians)                   {split['ttft99'][1] / colo['ttft99'][1]:5.2f}x")
+    print(f"\n[pd, short prompts only] {len(shorts)} requests, nothing long to interfere: where splitting loses")
+    summary = _table(short_runs)
+    split, colo = summary["split (1 prefill + 1 decode worker)"], summary["colocated"]
+    for name, key in (("P50 TPOT", "tpot50"), ("P50 TTFT", "ttft50"), ("throughput", "tput")):
+        print(f"  {name + ' split / colocated (medians)':54} {split[key][1] / colo[key][1]:5.2f}x")
     print("\n[pd transfer] KV moved per request over NIXL, by mode and prompt length (median of three).")
     print("  'in prefill': share of the transfer's span inside the prefill step; 'after': what the decode side")
     print("  still waits once the prefill is done. On a CPU the writes run on the prefill worker's own thread,")
@@ -184,6 +198,22 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
         print(f"  layer-wise share inside the prefill step, prompts >= 512 tokens   {share:5.0%}   target >= 70%  "
               f"{'met' if share >= 0.7 else 'MISSED'}")
     return 0
+
+
+def _table(runs: dict[str, list[Run]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Print one row per system (min / median over rounds, in ms; throughput median) and return the figures."""
+    print(f"  {'system':48} {'TPOT P50':>10} {'TPOT P99':>10} {'TTFT P50':>10} {'TTFT P99':>10} {'tok/s':>8}")
+    summary = {}
+    for system, rs in runs.items():
+        figures = {
+            "tpot50": [r.pct(r.tpot, 0.5) * 1e3 for r in rs], "tpot99": [r.pct(r.tpot, 0.99) * 1e3 for r in rs],
+            "ttft50": [r.pct(r.ttft, 0.5) * 1e3 for r in rs], "ttft99": [r.pct(r.ttft, 0.99) * 1e3 for r in rs],
+            "tput": [r.output_tokens / r.seconds for r in rs]}
+        summary[system] = {k: (min(v), statistics.median(v)) for k, v in figures.items()}
+        s = summary[system]
+        print(f"  {system:48} " + " ".join(f"{s[k][0]:6.1f}/{s[k][1]:<5.1f}" if k != "tput" else f"{s[k][1]:8.0f}"
+                                           for k in ("tpot50", "tpot99", "ttft50", "ttft99", "tput")))
+    return summary
 
 
 def measure_transfer(pd, vocab_size: int, scale: float) -> dict[int, tuple[int, float, float | None]]:

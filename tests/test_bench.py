@@ -28,3 +28,19 @@ def test_bench_prints_every_comparison():
                    "throughput minipd / HF generate_batch (continuous)", "[single]", "TPOT minipd / HF generate",
                    "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching"):
         assert needle in text, needle
+
+
+def test_pd_bench_prints_interference_and_transfer_figures():
+    """The disaggregation benchmark, at a tiny scale: every system and every transfer mode is reported,
+    and the workers it starts are gone when it returns (subprocess timeout bounds it)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", "pd", "--scale", "0.1",
+                          "--rounds", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for needle in ("colocated, chunked prefill", "split (1 prefill + 1 decode worker)",
+                   "P99 TPOT split / colocated (medians)", "[pd transfer]", "pull ", "push ", "layerwise "):
+        assert needle in text, needle
+    bad = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", "pd", "--rounds", "0"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--rounds must be at least 1" in bad.stderr
