@@ -1,67 +1,35 @@
-"""A prefill or decode worker: one process, one engine core with its own KV pool, one KV transport.
+"""A prefill or decode worker: one process, one engine core with its own KV pool, one KV connector.
 
 The worker serves messages from the front end (:class:`~minipd.pd.llm.DisaggregatedLLM`) over ZeroMQ
-and steps its core while it has work:
+and steps its core while it has work; its KV connector (:mod:`minipd.pd.connector`) decides about
+blocks (scheduler side) and moves bytes (worker side):
 
-- a **prefill** worker runs requests up to their first token and keeps their blocks
-  (``hold_kv``); it tells the front end which blocks hold each request's K/V, and frees them when the
-  decode worker's read is done (a NIXL notification) or when the lease runs out;
-- a **decode** worker admits a request whose prompt K/V are elsewhere (``num_external_tokens``),
-  reads them from the prefill worker's blocks into its own once they are allocated, and decodes.
+- a **prefill** worker runs requests up to their first token. With ``"pull"`` it keeps their blocks
+  (``hold_kv``), tells the front end which blocks hold each request's K/V, and frees them when the
+  decode worker's read is done (a transport notification) or when the lease runs out. With
+  ``"push"``/``"layerwise"`` it writes them into blocks a decode worker reserved, and frees them when
+  every write is done;
+- a **decode** worker admits a request whose prompt K/V are elsewhere (``num_external_tokens``) and
+  reads them into its own blocks once they are allocated; or reserves blocks for a writer and admits
+  the request once the writer says they are filled. Then it decodes.
 
-Messages in: ("add", Request), ("add_remote", Request, peer name, peer block ids), ("abort", ids,
-reason), ("release_kv", id), ("add_peer", info), ("stats",), ("fault", name), ("shutdown",). Messages out are dicts
-with a ``kind``: ready, outputs, kv_loaded, kv_failed, stats, error.
+Messages in: ("add", Request), ("add_remote", Request, peer, peer block ids), ("add_push", Request,
+peer, reserved block ids, layerwise), ("reserve", id, tokens), ("adopt", Request),
+("release_reservation", id, writes started), ("abort", ids, reason), ("release_kv", id),
+("add_peer", info), ("stats",), ("fault", name), ("shutdown",). Messages out are dicts with a
+``kind``: ready, outputs, reserved, kv_loaded, kv_failed, stats, warning, heartbeat, error.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
-#: The handle of a read lost on purpose (fault injection).
-_LOST = object()
-
-
-@dataclass
-class _Push:
-    """A prefill-side request whose K/V this worker writes into a decode worker's reserved blocks."""
-
-    peer: str
-    remote_blocks: list[int]
-    layerwise: bool
-    next_block: int = 0  # first block not yet written in full (layer-wise)
-    handles: list = None  # type: ignore[assignment]
-    started: float = 0.0
-    num_bytes: int = 0
-    prefilled: bool = False
-    failed: bool = False
-    aborted: bool = False  # the request was aborted here: finish the writes under way, then tell the reader
-    compute_end: float = 0.0  # when the step that finished the prefill ended
-    sends: list = None  # type: ignore[assignment]  # (layer or None, post start, post end) of each write
-
-    def __post_init__(self) -> None:
-        self.handles, self.sends = [], []
-
-
-@dataclass
-class _RemoteLoad:
-    """A decode-side request whose prompt K/V are read from a prefill worker."""
-
-    peer: str
-    remote_blocks: list[int]
-    handle: Any = None
-    started: float = 0.0
-    num_bytes: int = 0
-
-
 #: Launched workers (``python -m minipd worker``) report at least this often, so the front end can tell
 #: a silent worker from a dead one.
 HEARTBEAT_INTERVAL = 1.0
@@ -173,11 +141,14 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
 
 
 class _Worker:
-    """The loop of one worker around its engine core (separate from the process plumbing, for reading)."""
+    """The loop of one worker around its engine core and its KV connector's two sides (separate from
+    the process plumbing, for reading)."""
 
     def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float,
                  heartbeat: float | None = None) -> None:
-        self.role, self.core, self.transport, self.kv_lease_s = role, core, transport, kv_lease_s
+        from minipd.pd.connector import KVConnectorScheduler, KVConnectorWorker
+
+        self.role, self.core, self.transport = role, core, transport
         self.heartbeat, self.last_sent = heartbeat, time.monotonic()
 
         def send_and_note(message: dict) -> None:
@@ -185,20 +156,10 @@ class _Worker:
             send(message)
 
         self.send = send_and_note
-        self.remote: dict[str, _RemoteLoad] = {}  # decode side: loads by request id
-        #: Faults injected on purpose (tests, the chapter): "lose_reads" makes every read vanish in flight.
-        self.faults: set[str] = set()
-        self.pushes: dict[str, _Push] = {}  # prefill side, push modes: writes by request id
-        self.reserved_at: dict[str, float] = {}  # decode side, push modes: reservations by request id
-        self.pushed: set[str] = set()  # decode side: reservations whose K/V have all been written
-        #: Decode side: reservations whose writer gave up, and reservations the front end let go of while
-        #: writes into them may still be under way (freed when the writer says its writes are over, so a
-        #: late write never lands in blocks given to another request).
-        self.abandoned: set[str] = set()
-        self.releasing: set[str] = set()
-        self.adopt: dict[str, Any] = {}  # decode side: requests waiting for their K/V to be written
+        self.kv_scheduler = KVConnectorScheduler(core, kv_lease_s)
+        self.kv_worker = KVConnectorWorker(transport, core.config.block_size, core.kv_spec.bytes_per_block,
+                                           core.kv_spec.num_layers, kv_lease_s)
         core.runner.layer_hook = self.on_layer_stored
-        self.held_since: dict[str, float] = {}  # prefill side: when each request's K/V started waiting
         # The step under way: when it started, and each layer's (hook entered, hook left) times; what the
         # prefill of each request that finished in it looked like, for the front end's timelines.
         self.step_start = 0.0
@@ -209,14 +170,14 @@ class _Worker:
         while True:
             sched = self.core.scheduler
             busy = bool(sched.running or sched.waiting)  # something can compute now
-            # Reads under way are watched closely (their end is a request's start of decode); held
+            # Transfers under way are watched closely (their end is a request's start of decode); held
             # blocks only need their lease checked.
             if busy:
                 timeout_ms = 0
-            elif self.remote or self.pushes or self.reserved_at:
+            elif self.kv_worker.loads or self.kv_worker.saves or self.kv_scheduler.watching:
                 timeout_ms = 1
             else:
-                timeout_ms = int(POLL_INTERVAL * 1000) if self.held_since else 1000
+                timeout_ms = int(POLL_INTERVAL * 1000) if self.kv_scheduler.held_since else 1000
             while pull.poll(timeout_ms):
                 if not self.handle(pickle.loads(pull.recv())):
                     return
@@ -238,46 +199,37 @@ class _Worker:
         from minipd.engine.request import EngineCoreOutputs
 
         kind = message[0]
+        kv = self.kv_scheduler
         try:
             if kind == "add":
                 self.core.add_request(message[1])
-            elif kind == "add_remote":
-                request, peer, blocks = message[1:]
+            elif kind == "add_remote":  # pull: ("add_remote", Request, peer, the peer's block ids)
+                kv.add_remote(*message[1:])
+            elif kind == "add_push":  # push modes: ("add_push", Request, peer, its reserved block ids, layerwise)
+                request, peer, blocks, layerwise = message[1:]
                 self.core.add_request(request)
-                self.remote[request.request_id] = _RemoteLoad(peer, list(blocks))
+                self.kv_worker.add_save(request.request_id, peer, blocks, layerwise)
             elif kind == "abort":
                 for request_id in message[1]:
-                    self.remote.pop(request_id, None)
-                    self.held_since.pop(request_id, None)
+                    kv.cancel(request_id)
+                    self.kv_worker.cancel_load(request_id)
                 self.report(EngineCoreOutputs(self.core.abort_requests(message[1], *message[2:]), time.perf_counter()))
-            elif kind == "release_kv":
-                self.held_since.pop(message[1], None)
-                self.core.release_kv(message[1])
+            elif kind == "release_kv":  # the request ended at its first token: nobody will read its blocks
+                if not kv.release(message[1]):
+                    self.core.release_kv(message[1])
+            elif kind == "reserve":
+                self.send({"kind": "reserved", "request_id": message[1], "blocks": kv.reserve(message[1], message[2])})
+            elif kind == "adopt":
+                kv.add_adopted(message[1])
+                self.admit_filled()
+            elif kind == "release_reservation":
+                kv.release_reservation(message[1], message[2])
             elif kind == "add_peer":
                 self.transport.add_peer(message[1])
             elif kind == "fault":
-                self.faults.add(message[1])
+                self.kv_worker.faults.add(message[1])
                 if message[1] == "slow_writes":
                     self.transport.store_delay_s = 0.02
-            elif kind == "add_push":
-                request, peer, blocks, layerwise = message[1:]
-                self.core.add_request(request)
-                self.pushes[request.request_id] = _Push(peer, list(blocks), layerwise)
-            elif kind == "reserve":
-                blocks = self.core.reserve_blocks(message[1], message[2])
-                if blocks is not None:
-                    self.reserved_at[message[1]] = time.monotonic()
-                self.send({"kind": "reserved", "request_id": message[1], "blocks": blocks})
-            elif kind == "adopt":
-                self.adopt[message[1].request_id] = message[1]
-                self.adopt_arrived()
-            elif kind == "release_reservation":
-                request_id, writes_started = message[1], message[2]
-                if writes_started and request_id in self.reserved_at and \
-                        not (request_id in self.pushed or request_id in self.abandoned):
-                    self.releasing.add(request_id)
-                else:
-                    self.drop_reservation(request_id)
             elif kind == "stats":
                 bm = self.core.block_manager
                 self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
@@ -285,112 +237,15 @@ class _Worker:
             elif kind == "shutdown":
                 return False
         except Exception as err:  # a bad message must not take the worker down
-            request_id = message[1].request_id if kind in ("add", "add_remote") else None
+            request_id = message[1].request_id if kind in ("add", "add_remote", "add_push") else None
             self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
         return True
 
-    # ------------------------------------------------------------------ push and layer-wise transfers
     def on_layer_stored(self, batch: Any, layer: int) -> None:
-        """Note when this layer finished; layer-wise, write its blocks of the step's pushed requests."""
+        """Note when this layer finished; layer-wise, post its blocks of the step's saves."""
         entered = time.perf_counter()
-        if self.pushes:
-            self.push_layer(batch, layer)
+        self.kv_worker.save_kv_layer(batch, layer)
         self.layer_marks.append((entered, time.perf_counter()))
-
-    def push_layer(self, batch: Any, layer: int) -> None:
-        """Write this layer's blocks of the step's layer-wise pushed requests while the next layer computes."""
-        bs = self.core.config.block_size
-        last_layer = layer == self.core.kv_spec.num_layers - 1
-        for request, n in batch.entries:
-            push = self.pushes.get(request.request_id)
-            if push is None or not push.layerwise:
-                continue
-            # Blocks this step touched, and any before them not yet sent (a prefix-cache hit's blocks).
-            end = min(-(-(request.num_computed_tokens + n) // bs), len(push.remote_blocks))
-            table = request.blocks.block_table
-            if end > push.next_block and not push.failed:
-                posted = time.perf_counter()
-                push.started = push.started or posted
-                try:  # a failed write must not fail the forward pass of every other request
-                    push.handles.append(self.transport.start_write(push.peer, table[push.next_block:end],
-                                                                   push.remote_blocks[push.next_block:end], [layer]))
-                except Exception:
-                    push.failed = True
-                    continue
-                push.sends.append((layer, posted, time.perf_counter()))
-                push.num_bytes += (end - push.next_block) * self.core.kv_spec.bytes_per_block // \
-                    self.core.kv_spec.num_layers
-            if last_layer:  # the partly filled last block is written again with the next chunk
-                push.next_block = (request.num_computed_tokens + n) // bs
-
-    def watch_pushes(self) -> None:
-        from minipd.engine.request import RequestStatus
-
-        for request_id, push in list(self.pushes.items()):
-            request = self.core.requests.get(request_id)
-            if request is None and not push.aborted:
-                push.aborted = True
-                self.timelines.pop(request_id, None)
-            if not push.prefilled and not push.aborted:
-                if request.status is not RequestStatus.FINISHED_HOLDING_KV:
-                    continue
-                push.prefilled = True
-                push.compute_end = time.perf_counter()
-                if not push.layerwise:  # the whole prompt, all layers, in one transfer after the step
-                    n = min(len(request.blocks.block_table), len(push.remote_blocks))
-                    push.started = time.perf_counter()
-                    try:
-                        push.handles.append(self.transport.start_write(push.peer, request.blocks.block_table[:n],
-                                                                       push.remote_blocks[:n]))
-                    except Exception:
-                        push.failed = True
-                    push.sends.append((None, push.started, time.perf_counter()))
-                    push.num_bytes = n * self.core.kv_spec.bytes_per_block
-            states = [self.transport.poll(h) for h in push.handles]  # "ERR" when the reader is gone
-            push.handles = [h for h, st in zip(push.handles, states, strict=True) if st == "PROC"]
-            expired = time.perf_counter() - (push.started or time.perf_counter()) > self.kv_lease_s
-            failed = push.failed or "ERR" in states or expired
-            if failed or not push.handles:
-                del self.pushes[request_id]
-                timeline = self.timelines.pop(request_id, {})
-                self.held_since.pop(request_id, None)
-                if failed or push.aborted:
-                    # "!": no more writes will come, and what was written must not be used.
-                    with contextlib.suppress(Exception):  # a reader that is gone needs no word
-                        self.transport.notify(push.peer, b"!" + request_id.encode())
-                    if push.aborted:
-                        continue
-                self.core.release_kv(request_id)
-                if failed:
-                    self.send({"kind": "kv_failed", "request_id": request_id, "message": "push failed"})
-                else:
-                    try:
-                        self.transport.notify(push.peer, request_id.encode())
-                    except Exception:  # the reader is gone: the front end recomputes the request
-                        self.send({"kind": "kv_failed", "request_id": request_id, "message": "reader gone"})
-                        continue
-                    self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": push.num_bytes,
-                               "start": push.started, "end": time.perf_counter(), "compute_end": push.compute_end,
-                               "timeline": {**timeline, "sends": push.sends}})
-
-    def adopt_arrived(self) -> None:
-        """Decode side: admit each request whose K/V have all been written into its reservation."""
-        for request_id in [r for r in self.adopt if r in self.pushed]:
-            self.pushed.discard(request_id)
-            self.reserved_at.pop(request_id, None)
-            try:
-                self.core.add_reserved(self.adopt.pop(request_id), request_id)
-            except ValueError as err:
-                self.core.release_reservation(request_id)
-                self.send({"kind": "kv_failed", "request_id": request_id, "message": str(err)})
-
-    def drop_reservation(self, request_id: str) -> None:
-        self.reserved_at.pop(request_id, None)
-        self.pushed.discard(request_id)
-        self.abandoned.discard(request_id)
-        self.releasing.discard(request_id)
-        self.adopt.pop(request_id, None)
-        self.core.release_reservation(request_id)
 
     def report(self, outputs: Any, step_end: float | None = None) -> None:
         """Send the front end a step's (or an abort's) outputs, with the blocks of prefills that hold their K/V."""
@@ -398,19 +253,22 @@ class _Worker:
 
         held, timelines = {}, {}
         timeline = None
+        saves = self.kv_worker.saves
         for out in outputs.outputs:
             request = self.core.requests.get(out.request_id)
             if request is None or request.status is not RequestStatus.FINISHED_HOLDING_KV:
                 continue
             if step_end is not None:  # this step finished the prefill: how its layers went (once per step)
                 timeline = timeline or self.step_timeline(step_end)
-                if out.request_id in self.pushes:
-                    self.timelines[out.request_id] = timeline  # sent with the push's completion
+                if out.request_id in saves:
+                    self.timelines[out.request_id] = timeline  # sent with the save's completion
                 else:
                     timelines[out.request_id] = timeline
-            if out.request_id not in self.pushes:  # pushed K/V are freed here once written
+            if out.request_id in saves:  # saved K/V are freed here once written
+                self.kv_worker.prefill_done(out.request_id, list(request.blocks.block_table))
+            else:
                 held[out.request_id] = list(request.blocks.block_table)
-                self.held_since[out.request_id] = time.monotonic()
+                self.kv_scheduler.hold(out.request_id)
         if outputs.outputs or held:
             self.send({"kind": "outputs", "outputs": outputs, "held": held, "timelines": timelines,
                        "free_blocks": self.core.block_manager.num_free_blocks})
@@ -422,70 +280,54 @@ class _Worker:
         return {"prefill_step": (self.step_start, step_end),
                 "layers": [(a, b) for a, (b, _) in zip(starts, self.layer_marks, strict=True)]}
 
+    def admit_filled(self) -> None:
+        for request_id, why in self.kv_scheduler.admit_filled().items():
+            self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
+
     def watch_transfers(self) -> None:
-        from minipd.engine.request import FinishReason, RequestStatus
-
-        now = time.monotonic()
-        self.watch_pushes()
-        # Prefill side (pull): a finished read frees the blocks at once; an expired lease frees them anyway.
-        # Decode side (push): the writer's notification says a reservation is filled.
-        for message in self.transport.notifications():
-            given_up = message.startswith(b"!")
-            request_id = message[1:].decode() if given_up else message.decode()
-            if not given_up and self.held_since.pop(request_id, None) is not None:
-                self.core.release_kv(request_id)
-            elif request_id in self.releasing:  # the front end let go of it; now no write can land
-                self.drop_reservation(request_id)
-            elif request_id in self.reserved_at:
-                (self.abandoned if given_up else self.pushed).add(request_id)
-        self.adopt_arrived()
-        for request_id, since in list(self.reserved_at.items()):
-            if now - since > self.kv_lease_s and request_id not in self.pushed:
-                self.drop_reservation(request_id)
-                self.send({"kind": "kv_failed", "request_id": request_id, "message": "reservation expired"})
-        for request_id, since in list(self.held_since.items()):
-            if now - since > self.kv_lease_s:
-                del self.held_since[request_id]
-                self.core.release_kv(request_id)
-        # Decode side: start reads for requests whose blocks are now allocated, and finish the done ones.
-        for request_id, load in list(self.remote.items()):
-            request = self.core.requests.get(request_id)
-            if request is None:
-                del self.remote[request_id]
-                continue
-            if load.handle is None:
-                if request.status is RequestStatus.RUNNING:
-                    # The local prefix cache already had the prompt: nothing to read; the sender may free its copy.
-                    del self.remote[request_id]
-                    with contextlib.suppress(Exception):  # a sender that is gone frees by its lease
-                        self.transport.notify(load.peer, request_id.encode())
-                    continue
-                if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-                    continue
-                n = -(-request.num_external_tokens // self.core.config.block_size)
-                if "lose_reads" in self.faults:  # the read is started, and never heard of again
-                    load.handle, load.started = _LOST, time.perf_counter()
-                    continue
-                try:
-                    load.handle = self.transport.start_read(load.peer, load.remote_blocks[:n],
-                                                            request.blocks.block_table[:n], request_id.encode())
-                except Exception as err:
-                    self._fail(request_id, f"{type(err).__name__}: {err}", FinishReason, now)
-                    continue
-                load.started, load.num_bytes = time.perf_counter(), n * self.core.kv_spec.bytes_per_block
-                continue
-            state = "PROC" if load.handle is _LOST else self.transport.poll(load.handle)
-            if state == "DONE":
-                del self.remote[request_id]
+        """Start the loads whose blocks are ready; act on every transfer that ended and every lease that ran out."""
+        kv, mover = self.kv_scheduler, self.kv_worker
+        for request_id in [r for r in mover.saves if r not in self.core.requests]:
+            mover.abort_save(request_id)
+            self.timelines.pop(request_id, None)
+        ready, unneeded = kv.loads_ready()
+        for request_id, load in unneeded.items():  # the local prefix cache had the prompt: the sender may free
+            mover.notify(load.peer, request_id)
+        for request_id, (load, local_blocks) in ready.items():
+            try:
+                mover.start_load_kv(request_id, load, list(local_blocks))
+            except Exception as err:
+                self._fail_load(request_id, f"{type(err).__name__}: {err}")
+        finished = mover.get_finished()
+        for request_id, given_up in finished.notes:
+            # Prefill side: a reader is done with our blocks. Decode side: a writer is done with a reservation.
+            if not (not given_up and kv.release(request_id)):
+                kv.on_written(request_id, given_up)
+        self.admit_filled()
+        for request_id in kv.expire():
+            self.send({"kind": "kv_failed", "request_id": request_id, "message": "reservation expired"})
+        for request_id, (num_bytes, start, end) in finished.done_recving.items():
+            if request_id in self.core.requests:
                 self.core.finish_kv_load(request_id)
-                self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": load.num_bytes,
-                           "start": load.started, "end": time.perf_counter()})
-            elif state == "ERR" or time.perf_counter() - load.started > self.kv_lease_s:
-                self._fail(request_id, f"transfer {state.lower()} after {time.perf_counter() - load.started:.1f} s",
-                           FinishReason, now)
+                self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": num_bytes, "start": start,
+                           "end": end})
+        for request_id, why in finished.failed_recving.items():
+            self._fail_load(request_id, why)
+        for request_id, save in finished.done_sending.items():
+            self.core.release_kv(request_id)
+            timeline = self.timelines.pop(request_id, {})
+            self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": save.num_bytes,
+                       "start": save.started, "end": time.perf_counter(), "compute_end": save.compute_end,
+                       "timeline": {**timeline, "sends": save.sends}})
+        for request_id, why in finished.failed_sending.items():
+            self.core.release_kv(request_id)
+            self.timelines.pop(request_id, None)
+            self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
 
-    def _fail(self, request_id: str, why: str, reasons: Any, now: float) -> None:
+    def _fail_load(self, request_id: str, why: str) -> None:
         """A read that failed or outlived its lease: drop the request here; the front end recomputes it."""
-        self.remote.pop(request_id, None)
-        self.core.abort_requests([request_id], reasons.ABORT)
+        from minipd.engine.request import FinishReason
+
+        self.kv_worker.cancel_load(request_id)
+        self.core.abort_requests([request_id], FinishReason.ABORT)
         self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
