@@ -67,10 +67,11 @@ def assert_gone(pids: list[int]) -> None:
 
 
 @needs_nixl
-def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm):
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+def test_one_prefill_two_decode_workers_give_the_single_engine_outputs(llm, mode):
     prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
-    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_lease_s=20, start_timeout=120) as pd:
+    with DisaggregatedLLM("tiny-py", num_decode_workers=2, kv_transfer=mode, kv_lease_s=20, start_timeout=120) as pd:
         pids = [p for group in pd.worker_pids().values() for p in group]
         assert len(pids) == 3 and os.getpid() not in pids
         outputs = pd.generate(prompts, params)
@@ -247,11 +248,12 @@ def test_a_read_that_never_completes_runs_into_its_lease_and_is_recomputed(llm):
 
 
 @needs_nixl
-@pytest.mark.parametrize("mode", ["push", "layerwise"])
-def test_push_and_layerwise_transfers_give_the_single_engine_outputs(llm, mode):
-    """The decode worker reserves blocks first; the prefill worker writes into them — after the prefill
-    ("push") or layer by layer while the next layer computes ("layerwise"), chunked prefill included."""
-    prompts, params = mixed(llm, 16)
+@pytest.mark.parametrize("mode", ["pull", "push", "layerwise"])
+def test_one_prefill_one_decode_worker_with_chunked_prefill_give_the_single_engine_outputs(llm, mode):
+    """1P1D on the 32-request batch. In the push modes the decode worker reserves blocks first and the
+    prefill worker writes into them — after the prefill ("push") or layer by layer while the next layer
+    computes ("layerwise"), across the chunks of a chunked prefill."""
+    prompts, params = mixed(llm)
     expected = tokens(llm.generate(prompts, params))
     with DisaggregatedLLM("tiny-py", kv_transfer=mode, max_num_batched_tokens=32, kv_lease_s=20,
                           start_timeout=120) as pd:
