@@ -305,3 +305,22 @@ def test_the_transfer_mode_can_change_between_requests_and_each_request_carries_
             for (layer, posted, _), (_, stored) in zip(t.sends, t.layers, strict=True):
                 assert stored <= posted < step_end, f"layer {layer}'s write was not posted inside the step"
             assert out.metrics.kv_transfer_hidden > 0.5
+
+
+@pytest.mark.parametrize("transport", [pytest.param("nixl", marks=needs_nixl), "torch"])
+def test_a_quantized_pool_moves_its_codes_and_scales(llm, transport):
+    """int8 K/V travel with their scales (every transport, every mode) and cost their compressed bytes."""
+    prompts, params = mixed(llm, 12)
+    single = LLM("tiny-py", kv_cache_dtype="int8")
+    expected = tokens(single.generate(prompts, params))
+    per_block = single.engine.core.kv_spec.bytes_per_block
+    with DisaggregatedLLM("tiny-py", kv_cache_dtype="int8", kv_transport=transport, kv_lease_s=20,
+                          start_timeout=120) as pd:
+        for mode in ("pull", "push", "layerwise"):
+            pd.kv_transfer = mode
+            outputs = pd.generate(prompts, params)
+            assert tokens(outputs) == expected, mode
+            moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+            assert moved and all(o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
+                                 for o in moved), mode
+        wait_until_blocks_free(pd)

@@ -29,7 +29,9 @@ class EngineConfig:
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
-            ``"float16"`` or ``"bfloat16"`` — independent of the model's dtype.
+            ``"float16"`` (``"fp16"``) or ``"bfloat16"`` (``"bf16"``) — independent of the model's
+            dtype — or quantized to 8 bits with a scale per token per KV head: ``"int8"`` or ``"fp8"``
+            (e4m3). A quantized pool holds about twice the tokens of an fp16 one in the same memory.
         stats_history: how many recent steps' :class:`~minipd.engine.stats.StepStats` the engine
             keeps (older ones are dropped, so a long-running service does not grow).
         snapshot_interval: save a resumable snapshot every this many steps (None: never); needs
@@ -70,7 +72,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_policy()
         self._check_backend()
-        kv_dtypes = ("auto", "float32", "float16", "bfloat16")
+        from minipd.kv.spec import KV_CACHE_DTYPES as kv_dtypes
+
         if self.kv_cache_dtype not in kv_dtypes:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)}, "
                              f"got {self.kv_cache_dtype!r}")

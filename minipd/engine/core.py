@@ -29,7 +29,7 @@ from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
-from minipd.kv.spec import KV_DTYPES, KVSpec
+from minipd.kv.spec import KVSpec
 from minipd.models.decoder import DecoderModel
 
 logger = logging.getLogger("minipd")
@@ -59,8 +59,7 @@ class EngineCore:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.kernels = get_backend(config.kernel_backend, self.device)
-        kv_dtype = self.dtype if config.kv_cache_dtype in (None, "auto") else KV_DTYPES[config.kv_cache_dtype]
-        self.kv_spec = KVSpec.for_model(model.config, config.block_size, kv_dtype)
+        self.kv_spec = KVSpec.from_name(model.config, config.block_size, config.kv_cache_dtype, self.dtype)
         # Kernel constraints are checked now, not at the first generate.
         self.kernels.check(self.kv_spec, self.dtype)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()

@@ -73,6 +73,8 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
             packed = engine.core.export_kv(request.request_id, num_kv)
             for layer, kv in enumerate(packed.layers):
                 tensors[f"{index}.{layer}"] = kv.contiguous().cpu()
+            for layer, scales in enumerate(packed.scales or ()):  # a quantized cache's codes need their scales
+                tensors[f"{index}.{layer}.scales"] = scales.contiguous().cpu()
         entries.append({
             "index": index, "request_id": state.request_id, "prompt": state.prompt,
             "all_token_ids": list(request.all_token_ids), "num_prompt_tokens": request.num_prompt_tokens,
@@ -195,14 +197,21 @@ def _read_kv(path: Path, manifest: dict[str, Any], spec: KVSpec) -> dict[int, Pa
             continue
         blocks = -(-num_tokens // spec.block_size)
         shape = (2, blocks, *spec.block_shape)
-        layers = []
+        layers, scales = [], []
         for layer in range(spec.num_layers):
             tensor = tensors.get(f"{entry['index']}.{layer}")
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != spec.dtype:
                 raise SnapshotError(f"{kv_path}: the K/V of request {entry.get('request_id')!r}, layer {layer}, "
                                     f"is missing or not {shape} {spec.dtype}")
             layers.append(tensor)
-        packed[entry["index"]] = PackedKV(spec, num_tokens, layers)
+            if spec.is_quantized:
+                scale_shape = (2, blocks, *spec.scale_shape)
+                tensor = tensors.get(f"{entry['index']}.{layer}.scales")
+                if tensor is None or tuple(tensor.shape) != scale_shape or tensor.dtype != spec.scale_dtype:
+                    raise SnapshotError(f"{kv_path}: the K/V scales of request {entry.get('request_id')!r}, layer "
+                                        f"{layer}, are missing or not {scale_shape} {spec.scale_dtype}")
+                scales.append(tensor)
+        packed[entry["index"]] = PackedKV(spec, num_tokens, layers, scales if spec.is_quantized else None)
     return packed
 
 

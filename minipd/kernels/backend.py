@@ -40,9 +40,7 @@ class KernelBackend:
 
 
 def _torch_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
-    if spec.is_quantized:
-        return "has no kernels for quantized KV caches yet"
-    return None
+    return None  # the references read every format
 
 
 def _triton_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
@@ -54,7 +52,8 @@ def _triton_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
     if not pow2(spec.head_dim):
         return f"needs a power-of-two head_dim, and this model's is {spec.head_dim}; use kernel_backend='torch'"
     if spec.is_quantized:
-        return "has no kernels for quantized KV caches yet"
+        return (f"has no kernels for quantized KV caches yet (kv_cache_dtype={spec.quant!r}); "
+                "use kernel_backend='torch'")
     if spec.dtype != model_dtype:
         return (f"reads the cache in the model's dtype ({model_dtype}); kv_cache_dtype gives {spec.dtype}: "
                 "use kv_cache_dtype='auto' or kernel_backend='torch'")

@@ -12,11 +12,19 @@ import torch
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, has_padding: bool = True) -> None:
-    """Copy ``k``, ``v`` (N, kv_heads, head_dim) into the caches at ``slot_mapping`` (N,), in place.
+    """Copy ``k``, ``v`` (N, kv_heads, head_dim) into the caches at ``slot_mapping`` (N,), in place
+    (quantized, for a :class:`~minipd.kv.quant.QuantizedLayerCache`).
 
     ``has_padding=False`` promises there are no negative slots, which saves a device-to-host check
     (the model runner knows it once per step; the Triton kernel masks them at no cost either way).
     """
+    if hasattr(k_cache, "store"):  # a quantized cache: it quantizes on the way in
+        if has_padding:
+            keep = slot_mapping >= 0
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        k_cache.store(slot_mapping, k)
+        v_cache.store(slot_mapping, v)
+        return
     if has_padding:
         keep = slot_mapping >= 0
         if not bool(keep.all()):

@@ -51,7 +51,7 @@ class PagedKVCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None) -> torch.Tensor:
         md, kernels = self.metadata, self.kernels
-        k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        k_cache, v_cache = self.pool.layer(layer_idx, q.dtype)
         kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping, has_padding=False)
         if self.on_layer_stored is not None:
             self.on_layer_stored(layer_idx)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minipd.kv.quant import FORMATS, QuantizedLayerCache
 from minipd.kv.spec import KVSpec
 
 
@@ -56,6 +57,15 @@ class PagedKVPool:
             self.v_scale = torch.ones(scale_shape, dtype=spec.scale_dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
+
+    def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V caches as the kernels take them: the tensors themselves, or, for a
+        quantized pool, views that dequantize to ``dtype`` when read and quantize when written."""
+        if self.spec.quant is None:
+            return self.k[layer], self.v[layer]
+        fmt = FORMATS[self.spec.quant]
+        return (QuantizedLayerCache(self.k[layer], self.k_scale[layer], fmt, dtype),  # type: ignore[index]
+                QuantizedLayerCache(self.v[layer], self.v_scale[layer], fmt, dtype))  # type: ignore[index]
 
     @property
     def num_tokens(self) -> int:

@@ -16,10 +16,14 @@ from typing import Any
 import torch
 
 from minipd.config import ModelConfig
+from minipd.kv.quant import FORMATS
 
-#: Cache dtypes by name, as ``EngineConfig.kv_cache_dtype`` accepts them.
+#: Floating-point cache dtypes by name, as ``EngineConfig.kv_cache_dtype`` accepts them (vLLM's short
+#: names too).
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16,
-                                      "bfloat16": torch.bfloat16}
+                                      "bfloat16": torch.bfloat16, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: Every ``kv_cache_dtype``: the model's own dtype, a floating-point dtype, or a quantized format.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *KV_DTYPES, *FORMATS)
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,8 @@ class KVSpec:
 
     ``scale_shape``/``scale_dtype`` describe per-block scale tensors for quantized formats
     (empty/None for plain floating-point caches); they are allocated beside the values with shape
-    ``(num_blocks, *scale_shape)`` per layer for K and for V.
+    ``(num_blocks, *scale_shape)`` per layer for K and for V. ``quant`` names the code format
+    (:data:`minipd.kv.quant.FORMATS`), None for floating-point caches.
     """
 
     num_layers: int
@@ -38,11 +43,27 @@ class KVSpec:
     dtype: torch.dtype
     scale_shape: tuple[int, ...] = ()
     scale_dtype: torch.dtype | None = None
+    quant: str | None = None
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVSpec:
         """A plain floating-point cache of ``dtype`` for ``config``'s attention layers."""
         return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
+
+    @classmethod
+    def from_name(cls, config: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype) -> KVSpec:
+        """The spec ``kv_cache_dtype`` names (one of :data:`KV_CACHE_DTYPES`) for ``config``'s layers."""
+        if kv_cache_dtype in (None, "auto"):
+            return cls.for_model(config, block_size, model_dtype)
+        if kv_cache_dtype in KV_DTYPES:
+            return cls.for_model(config, block_size, KV_DTYPES[kv_cache_dtype])
+        if kv_cache_dtype not in FORMATS:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {kv_cache_dtype!r}")
+        # One fp16 scale per token per KV head, beside the codes.
+        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
+                   FORMATS[kv_cache_dtype].storage, (block_size, config.num_key_value_heads), torch.float16,
+                   kv_cache_dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -75,7 +96,8 @@ class KVSpec:
         return {"num_layers": self.num_layers, "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
                 "scale_shape": list(self.scale_shape),
-                "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).removeprefix("torch.")}
+                "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).removeprefix("torch."),
+                "quant": self.quant}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KVSpec:
@@ -83,7 +105,7 @@ class KVSpec:
         scale = raw.get("scale_dtype")
         return cls(raw["num_layers"], raw["block_size"], raw["num_kv_heads"], raw["head_dim"],
                    getattr(torch, raw["dtype"]), tuple(raw.get("scale_shape", ())),
-                   None if scale is None else getattr(torch, scale))
+                   None if scale is None else getattr(torch, scale), raw.get("quant"))
 
 
 def _element_size(dtype: torch.dtype | None) -> int:

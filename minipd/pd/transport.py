@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from minipd.kv.paged_pool import PagedKVPool
 
@@ -34,41 +35,74 @@ def nixl_available() -> str | None:
     return None
 
 
+def pool_tensors(pool: PagedKVPool) -> list[torch.Tensor]:
+    """Every tensor a block lives in, each shaped ``(num_layers, num_blocks, ...)``: K and V, and for a
+    quantized pool their scales (codes without scales are useless, so they always travel together)."""
+    tensors = [pool.k, pool.v]
+    if pool.k_scale is not None:
+        tensors += [pool.k_scale, pool.v_scale]
+    return tensors
+
+
 @dataclass(frozen=True)
 class PoolLayout:
-    """Where a pool's blocks are in memory: block ``b`` of layer ``l`` starts ``(l * num_blocks + b)`` blocks
-    after the K (or V) base address. Sent to peers so they can address blocks they do not own."""
+    """Where a pool's blocks are in memory: in each of its tensors (K, V, and scales when quantized),
+    block ``b`` of layer ``l`` starts ``(l * num_blocks + b)`` block-sizes after the tensor's base
+    address. Sent to peers so they can address blocks they do not own."""
 
-    k_address: int
-    v_address: int
+    regions: tuple[tuple[int, int], ...]  # (base address, bytes of one block of one layer) per tensor
     num_layers: int
     num_blocks: int
-    block_bytes: int
     device_id: int
     mem_type: str
 
     @classmethod
     def of(cls, pool: PagedKVPool) -> PoolLayout:
-        """The layout of ``pool`` (its K and V tensors must be contiguous)."""
-        if not (pool.k.is_contiguous() and pool.v.is_contiguous()):
+        """The layout of ``pool`` (its tensors must be contiguous)."""
+        tensors = pool_tensors(pool)
+        if not all(t.is_contiguous() for t in tensors):
             raise ValueError("the KV pool must be contiguous to be registered for transfer")
-        block_bytes = pool.k[0, 0].nbytes
         cuda = pool.k.device.type == "cuda"
         device_id = (pool.k.device.index or 0) if cuda else 0
-        return cls(pool.k.data_ptr(), pool.v.data_ptr(), pool.k.shape[0], pool.k.shape[1], block_bytes, device_id,
-                   "VRAM" if cuda else "DRAM")
+        return cls(tuple((t.data_ptr(), t[0, 0].nbytes) for t in tensors), pool.k.shape[0], pool.k.shape[1],
+                   device_id, "VRAM" if cuda else "DRAM")
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        """Bytes of one block of one layer in each tensor (two peers must agree on them)."""
+        return tuple(size for _, size in self.regions)
 
     def descriptors(self, block_ids: list[int], layers: list[int] | None = None) -> np.ndarray:
-        """(layers * 2 * blocks, 3) rows of (address, length, device) for these blocks (all layers by default)."""
+        """(tensors * layers * blocks, 3) rows of (address, length, device) for these blocks (all layers by
+        default), tensor by tensor."""
         blocks = np.asarray(block_ids, dtype=np.uint64)
-        chosen = range(self.num_layers) if layers is None else layers
-        layers = np.asarray(chosen, dtype=np.uint64)[:, None]
-        offsets = (layers * np.uint64(self.num_blocks) + blocks[None, :]) * np.uint64(self.block_bytes)
-        addresses = np.concatenate([np.uint64(self.k_address) + offsets, np.uint64(self.v_address) + offsets],
-                                   axis=1).reshape(-1)
-        rows = np.empty((addresses.size, 3), dtype=np.uint64)
-        rows[:, 0], rows[:, 1], rows[:, 2] = addresses, self.block_bytes, self.device_id
+        chosen = np.asarray(range(self.num_layers) if layers is None else layers, dtype=np.uint64)
+        index = (chosen[:, None] * np.uint64(self.num_blocks) + blocks[None, :]).reshape(-1)
+        rows = np.empty((len(self.regions) * index.size, 3), dtype=np.uint64)
+        for i, (address, size) in enumerate(self.regions):
+            part = rows[i * index.size:(i + 1) * index.size]
+            part[:, 0], part[:, 1], part[:, 2] = np.uint64(address) + index * np.uint64(size), size, self.device_id
         return rows
+
+
+def pack_blocks(tensors: list[torch.Tensor], layers: slice, index: torch.Tensor) -> torch.Tensor:
+    """The blocks ``index`` of ``layers`` of every tensor, as one flat byte tensor (a message's payload)."""
+    return torch.cat([t[layers, index].contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+
+
+def packed_size(tensors: list[torch.Tensor], num_layers: int, num_blocks: int) -> int:
+    """Bytes :func:`pack_blocks` gives for ``num_layers`` layers of ``num_blocks`` blocks."""
+    return sum(num_layers * num_blocks * t[0, 0].nbytes for t in tensors)
+
+
+def unpack_blocks(tensors: list[torch.Tensor], layers: slice, index: torch.Tensor, payload: torch.Tensor) -> None:
+    """Write a :func:`pack_blocks` payload into the blocks ``index`` of ``layers`` of every tensor."""
+    offset = 0
+    for t in tensors:
+        target = t[layers, index]
+        size = target.numel() * t.element_size()
+        t[layers, index] = payload[offset:offset + size].view(t.dtype).view(target.shape)
+        offset += size
 
 
 class NixlTransport:
@@ -87,7 +121,7 @@ class NixlTransport:
         # transfers progress whenever this worker checks on them, which its loop does every millisecond.
         self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False))
         self.layout = PoolLayout.of(pool)
-        self._registered = self.agent.register_memory([pool.k, pool.v])
+        self._registered = self.agent.register_memory(pool_tensors(pool))
         self._peers: dict[str, PoolLayout] = {}
 
     def peer_info(self) -> dict[str, Any]:
@@ -191,6 +225,8 @@ class TorchDistributedTransport:
             dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=120))
         self.agent_name, self.rank, self.pool = agent_name, rank, pool
+        self.tensors = pool_tensors(pool)
+        self.num_layers = pool.k.shape[0]
         self.max_blocks = max_blocks_per_request
         self._peers: dict[str, int] = {}
         self._next_tag = 1
@@ -213,12 +249,11 @@ class TorchDistributedTransport:
 
     def _header(self, kind: int, blocks: list[int], note: bytes = b"",
                 layers: tuple[int, int] | None = None) -> tuple[int, Any]:
-        import torch
 
         if len(blocks) > self.max_blocks:
             raise ValueError(f"cannot move {len(blocks)} blocks in one transfer (at most {self.max_blocks})")
         tag, self._next_tag = self._next_tag, self._next_tag + 1
-        first, count = layers if layers is not None else (0, self.pool.k.shape[0])
+        first, count = layers if layers is not None else (0, self.num_layers)
         header = torch.zeros(self._header_size(), dtype=torch.int64)
         header[:self._FIELDS] = torch.tensor([tag, self.rank, len(blocks), len(note), kind, first, count])
         header[self._FIELDS:self._FIELDS + self._NOTE] = torch.frombuffer(
@@ -242,7 +277,6 @@ class TorchDistributedTransport:
 
     def start_read(self, peer: str, remote_blocks: list[int], local_blocks: list[int], notification: bytes) -> Any:
         """Ask ``peer`` for ``remote_blocks``; they land in ``local_blocks`` when :meth:`poll` says DONE."""
-        import torch
 
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"cannot read {len(remote_blocks)} blocks into {len(local_blocks)}")
@@ -252,8 +286,8 @@ class TorchDistributedTransport:
         works = []
         if remote_blocks:
             # The receive is posted before the header leaves, so the reply always has somewhere to land.
-            handle["buffer"] = torch.empty((2, self.pool.k.shape[0], len(remote_blocks), *self.pool.k.shape[2:]),
-                                           dtype=self.pool.k.dtype)
+            handle["buffer"] = torch.empty(packed_size(self.tensors, self.num_layers, len(remote_blocks)),
+                                           dtype=torch.uint8)
             works.append(self.dist.irecv(handle["buffer"], src=src, tag=tag))
         works.insert(0, self.dist.isend(header, dst=src))
         self._wait_in_background(handle, works, "RECEIVED")
@@ -263,19 +297,17 @@ class TorchDistributedTransport:
                     layers: list[int] | None = None) -> Any:
         """Send our ``local_blocks`` (of ``layers``, a contiguous run, all by default) into ``peer``'s
         ``remote_blocks``; :meth:`poll` says DONE once the peer has stored them."""
-        import torch
 
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"{len(local_blocks)} blocks to write into {len(remote_blocks)}")
-        first, count = (0, self.pool.k.shape[0]) if layers is None else (min(layers), len(layers))
+        first, count = (0, self.num_layers) if layers is None else (min(layers), len(layers))
         if layers is not None and sorted(layers) != list(range(first, first + count)):
             raise ValueError(f"layers must be a contiguous run, got {layers}")
         tag, header = self._header(self._WRITE, remote_blocks, layers=(first, count))
         dst = self._peers[peer]
         index = torch.tensor(local_blocks, dtype=torch.long)
         # Packed now, so the bytes sent are this moment's even if the pool changes while they travel.
-        packed = torch.stack((self.pool.k[first:first + count, index],
-                              self.pool.v[first:first + count, index])).contiguous()
+        packed = pack_blocks(self.tensors, slice(first, first + count), index)
         handle: dict[str, Any] = {"state": "PROC", "blocks": [], "packed": packed}
         acknowledgement = torch.zeros(1, dtype=torch.int64)
         works = [self.dist.irecv(acknowledgement, src=dst, tag=tag), self.dist.isend(header, dst=dst),
@@ -285,21 +317,18 @@ class TorchDistributedTransport:
 
     def poll(self, handle: Any) -> str:
         """``"DONE"`` once the blocks are in place, ``"PROC"`` before, ``"ERR"`` if the peer failed."""
-        import torch
 
         state = handle["state"]
         if state != "RECEIVED":
             return state
         if handle["blocks"]:
             index = torch.tensor(handle["blocks"], dtype=torch.long)
-            self.pool.k[:, index] = handle["buffer"][0]
-            self.pool.v[:, index] = handle["buffer"][1]
+            unpack_blocks(self.tensors, slice(None), index, handle["buffer"])
         handle["state"] = "DONE"
         return "DONE"
 
     def _serve(self) -> None:
         """Owner side, in its own thread: answer every read, store every write, then note what was done."""
-        import torch
 
         offset = self._FIELDS + self._NOTE
         while True:
@@ -312,16 +341,15 @@ class TorchDistributedTransport:
                 if kind == self._WRITE:
                     # The blocks were reserved for the sender's request and nothing reads them until
                     # the front end hears the write is done, so storing them from this thread is safe.
-                    packed = torch.empty((2, layers, count, *self.pool.k.shape[2:]), dtype=self.pool.k.dtype)
+                    packed = torch.empty(packed_size(self.tensors, layers, count), dtype=torch.uint8)
                     self.dist.irecv(packed, src=peer, tag=tag).wait()
                     if self.store_delay_s:
                         time.sleep(self.store_delay_s)
-                    self.pool.k[first:first + layers, index] = packed[0]
-                    self.pool.v[first:first + layers, index] = packed[1]
+                    unpack_blocks(self.tensors, slice(first, first + layers), index, packed)
                     self.dist.isend(torch.ones(1, dtype=torch.int64), dst=peer, tag=tag).wait()
                     continue
                 if count:
-                    packed = torch.stack((self.pool.k[:, index], self.pool.v[:, index])).contiguous()
+                    packed = pack_blocks(self.tensors, slice(None), index)
                     self.dist.isend(packed, dst=peer, tag=tag).wait()
             except RuntimeError:
                 return  # the group is broken (a peer died): transfers under way run into their lease
