@@ -99,6 +99,11 @@ class RequestOutput:
     metrics: RequestMetrics
     #: The stop string or stop token id that ended the request, if one did.
     stop_reason: str | int | None = None
+    #: With ``SamplingParams(logprobs=k)``: for each generated token, {token id: log-probability} holding
+    #: the generated token and the k most likely ones (the model's raw distribution, before temperature).
+    logprobs: list[dict[int, float]] | None = None
+    #: With ``prompt_logprobs=k``: the same for each prompt token (None for the first, which has no context).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 #: Seeds go to ``torch.Generator.manual_seed``, which takes anything that fits a signed or an
 #: unsigned 64-bit integer (a negative seed wraps: -1 and 2**64 - 1 give the same tokens).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+#: The most top tokens ``logprobs``/``prompt_logprobs`` may ask for (vLLM's default limit).
+MAX_LOGPROBS = 20
 #: top_k becomes an int64 tensor in the sampler, so it must fit a signed 64-bit integer.
 TOP_K_MAX = 2**63 - 1
 
@@ -51,6 +53,11 @@ class SamplingParams:
         ignore_eos: keep generating past end-of-sequence tokens (for benchmarks with fixed lengths).
         seed: with the same seed, sampling gives the same tokens; None draws a fresh seed. Any integer
             in [-2**63, 2**64 - 1]; negative seeds wrap modulo 2**64, as in ``torch.manual_seed``.
+        logprobs: return, for every generated token, its log-probability and those of the ``logprobs``
+            most likely tokens (0: the generated token's only), from the model's raw distribution
+            (log-softmax of the logits, before temperature or top-k/top-p); None: none.
+        prompt_logprobs: the same for every prompt token after the first (None for the first);
+            a request that asks for them skips the prefix cache, since cached tokens are not computed.
     """
 
     temperature: float = 1.0
@@ -61,6 +68,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,6 +88,12 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.seed = check_seed("seed", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (how many top "
+                                 f"tokens besides the chosen one), got {value!r}")
+            setattr(self, name, None if value is None else int(value))
         self._stop_list = self._check_stop(self.stop)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids

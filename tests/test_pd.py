@@ -324,3 +324,18 @@ def test_a_quantized_pool_moves_its_codes_and_scales(llm, transport):
             assert moved and all(o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
                                  for o in moved), mode
         wait_until_blocks_free(pd)
+
+
+def test_logprobs_come_back_from_both_workers(llm):
+    """Prompt log-probabilities and the first token's come from the prefill worker, the rest from the
+    decode worker; together they are one engine's."""
+    prompts, _ = mixed(llm, 6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    expected = llm.generate(prompts, params)
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_lease_s=20, start_timeout=120) as pd:
+        outputs = pd.generate(prompts, params)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) == 8
+        for g, w in zip([*got.logprobs, *got.prompt_logprobs[1:]], [*want.logprobs, *want.prompt_logprobs[1:]],
+                        strict=True):
+            assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)

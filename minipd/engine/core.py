@@ -288,7 +288,7 @@ class EngineCore:
             return EngineCoreOutputs([], start)
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
         try:
-            sampled, tokens = self.runner.execute(batch)
+            sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
         except BaseException:
             # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
             self.scheduler.rollback(batch)
@@ -305,13 +305,20 @@ class EngineCore:
             else:
                 num_prefill += n
                 request.num_prefill_tokens += n
-        for request, token in zip(sampled, tokens, strict=True):
+        for request, _ in batch.entries:  # kept until the first token, which carries them all
+            scored = prompt_logprobs.get(request.request_id)
+            if scored:
+                request.num_prompt_logprobs_done += len(scored)
+                request.pending_prompt_logprobs.extend(scored)
+        for request, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
             request.append_token(token)
             if request.finish_reason is not None:
                 self.scheduler.finish(request)
                 if request.status is RequestStatus.FINISHED:
                     del self.requests[request.request_id]
-            outputs.append(self._output(request, [token]))
+            scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
+            outputs.append(self._output(request, [token], None if token_logprobs is None else [token_logprobs],
+                                        scored or None))
         self._record(StepStats(
             start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -344,7 +351,8 @@ class EngineCore:
                 logger.exception("step callback %r failed; the step's outputs are kept", callback)
 
     @staticmethod
-    def _output(request: Request, new_tokens: list[int]) -> EngineCoreOutput:
+    def _output(request: Request, new_tokens: list[int], new_logprobs: list[dict[int, float]] | None = None,
+                new_prompt_logprobs: list[dict[int, float]] | None = None) -> EngineCoreOutput:
         return EngineCoreOutput(request.request_id, new_tokens, request.finish_reason, request.stop_reason,
                                 request.num_cached_tokens, request.num_preemptions, request.num_prefill_tokens,
-                                request.first_scheduled_time)
+                                request.first_scheduled_time, new_logprobs, new_prompt_logprobs)

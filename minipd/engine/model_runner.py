@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,28 @@ class InputBuffers:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A slice of a host buffer on the model's device (the slice itself on CPU: no copy)."""
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
+class StepResult(NamedTuple):
+    """What :meth:`ModelRunner.execute` gives back for one step."""
+
+    #: Requests that got a new token, and those tokens.
+    sampled: list[Request]
+    tokens: list[int]
+    #: For each sampled request, {token id: log-probability} when it asked for ``logprobs``.
+    logprobs: list[dict[int, float] | None]
+    #: For requests asking for ``prompt_logprobs``: one dict per prompt token computed this step.
+    prompt_logprobs: dict[str, list[dict[int, float]]]
+
+
+def top_logprobs(row: torch.Tensor, chosen: int, k: int) -> dict[int, float]:
+    """The chosen token's log-probability and the ``k`` highest ones, from a (V,) log-softmax row."""
+    found = {chosen: row[chosen].item()}
+    if k:
+        values, ids = row.topk(k)
+        for value, token in zip(values.tolist(), ids.tolist(), strict=True):
+            found.setdefault(token, value)
+    return found
 
 
 class ModelRunner:
@@ -156,16 +179,44 @@ class ModelRunner:
         return input_ids, positions, metadata, to_sample, rows
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Compute the batch's tokens into the cache; return the requests that got a new token, and the tokens."""
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Compute the batch's tokens into the cache; return the requests that got a new token, the tokens,
+        and the log-probabilities asked for."""
         input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
         hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
         context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook), self.kernels)
         hidden = self.model(input_ids, positions, context)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not to_sample:
-            return [], []
+            return StepResult([], [], [], prompt_logprobs)
         last = hidden[rows[0]:rows[0] + 1] if len(rows) == 1 else hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(last)
         tokens = sample_next_tokens(logits, [r.params for r in to_sample], [r.seed for r in to_sample],
-                                    [r.sampling_offset for r in to_sample])
-        return to_sample, tokens.tolist()
+                                    [r.sampling_offset for r in to_sample]).tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(to_sample)
+        wanted = [i for i, r in enumerate(to_sample) if r.params.logprobs is not None]
+        if wanted:
+            table = logits[torch.tensor(wanted, device=logits.device)].float().log_softmax(dim=-1)
+            for row, i in enumerate(wanted):
+                logprobs[i] = top_logprobs(table[row], tokens[i], to_sample[i].params.logprobs)
+        return StepResult(to_sample, tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[str, list[dict[int, float]]]:
+        """For requests asking for ``prompt_logprobs``: each prompt token computed this step, scored by the
+        logits of the position before it. Rows follow :meth:`prepare`'s order: decodes, then prefills."""
+        found: dict[str, list[dict[int, float]]] = {}
+        decode_row, offset = 0, sum(1 for _, n in batch.entries if n == 1)
+        for r, n in batch.entries:
+            if n == 1:  # one-query rows come first (a one-token prompt chunk among them)
+                start, decode_row = decode_row, decode_row + 1
+            else:
+                start, offset = offset, offset + n
+            p = r.num_computed_tokens
+            # Row p + i predicts token p + i + 1; keep the prompt tokens not reported before.
+            first, end = max(p, r.num_prompt_logprobs_done - 1), min(p + n, r.num_prompt_tokens - 1)
+            if r.params.prompt_logprobs is not None and first < end:
+                table = self.model.compute_logits(hidden[start + first - p:start + end - p]).float().log_softmax(-1)
+                targets = r.all_token_ids[first + 1:end + 1]
+                found[r.request_id] = [top_logprobs(table[i], t, r.params.prompt_logprobs)
+                                       for i, t in enumerate(targets)]
+        return found

@@ -42,6 +42,9 @@ class RequestState:
     outbox: deque[StreamDelta] | None = None
     #: The core's own request object, when the core runs in this process (chapters look inside it).
     request: Request | None = None
+    #: ``logprobs`` / ``prompt_logprobs``, when asked for: see :class:`RequestOutput`.
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,7 +56,9 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_token_ids), token_ids=list(self.token_ids),
                              text=self.text, finish_reason=self.finish_reason, metrics=self.metrics,
-                             stop_reason=self.stop_reason)
+                             stop_reason=self.stop_reason,
+                             logprobs=None if self.logprobs is None else list(self.logprobs),
+                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -121,6 +126,12 @@ class OutputProcessor:
             out.num_prefill_tokens
         if m.first_scheduled_time is None:
             m.first_scheduled_time = out.first_scheduled_time
+        if out.new_logprobs is not None:
+            state.logprobs = (state.logprobs or []) + out.new_logprobs
+        if state.params.prompt_logprobs is not None and state.prompt_logprobs is None and out.new_token_ids:
+            # They come with the first token, once: a request recomputed elsewhere (disaggregated
+            # recovery) scores its prompt again.
+            state.prompt_logprobs = [None, *(out.new_prompt_logprobs or [])]
         token_id = None
         for token_id in out.new_token_ids:
             state.token_ids.append(token_id)

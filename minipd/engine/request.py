@@ -70,6 +70,11 @@ class Request:
     num_preemptions: int = 0
     #: Prompt tokens computed by prefill.
     num_prefill_tokens: int = 0
+    #: Prompt tokens whose log-probabilities were reported (``prompt_logprobs``): a recomputation after
+    #: preemption does not report them twice.
+    num_prompt_logprobs_done: int = 1
+    #: Prompt log-probabilities computed but not reported yet (they go out with the first token).
+    pending_prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -141,6 +146,10 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     first_scheduled_time: float | None = None
+    #: ``logprobs``: for each new token, its log-probability and the top ones ({token id: logprob}).
+    new_logprobs: list[dict[int, float]] | None = None
+    #: ``prompt_logprobs``: the same for prompt tokens computed this step, in order.
+    new_prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:

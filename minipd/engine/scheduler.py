@@ -201,8 +201,8 @@ class Scheduler:
     def _cached_prefix(self, request: Request) -> list[int] | None:
         """Blocks of the request's committed cached prefix; None when the next block is being computed now."""
         bm = self.block_manager
-        if not bm.enable_prefix_caching:
-            return []
+        if not bm.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []  # (a cached token is not computed, so it could not be scored)
         usable = (request.num_tokens - 1) // bm.block_size
         hashes = block_hashes(request.all_token_ids[:usable * bm.block_size], bm.block_size, request.block_hashes)
         cached = bm.find_cached_prefix(request.all_token_ids, hashes)
