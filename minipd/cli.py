@@ -61,6 +61,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def _kvquality(args: argparse.Namespace) -> int:
+    from minipd.kv.quality import main as quality_main
+
+    return quality_main(args.quality_args)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage mistakes reach :func:`main` as ``ValueError``, reported like every other error."""
 
@@ -100,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
+    quality = sub.add_parser("kvquality", help="what compressed KV caches cost in quality "
+                             "(see `python -m minipd kvquality -h`)", add_help=False)
+    quality.add_argument("quality_args", nargs=argparse.REMAINDER)
+    quality.set_defaults(func=_kvquality)
     return parser
 
 
@@ -114,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         if argv[:1] == ["bench"]:  # the benchmark has its own options; hand them over untouched
             return _bench(argparse.Namespace(bench_args=argv[1:]))
+        if argv[:1] == ["kvquality"]:  # likewise
+            return _kvquality(argparse.Namespace(quality_args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:

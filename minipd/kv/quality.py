@@ -1,0 +1,192 @@
+"""What a compressed KV cache costs in quality, measured against the full-precision cache.
+
+Every figure compares one engine configuration (a ``kv_cache_dtype``, say) with the reference (the
+model's own dtype) on held-out text the bundled models never saw (``assets/text/heldout_code.txt``):
+
+- **perplexity** of the text, and its change: each token is scored by logits computed from the
+  compressed cache. In minipd a prompt's queries read their K/V back from the pool (prefill and
+  decode alike), so scoring a prompt in one pass is decode mode for a quantized cache;
+- **KL divergence** of the next-token distributions, reference → compressed, averaged over tokens
+  (the full distributions, not their top entries);
+- **greedy agreement**: from held-out prompts, how many generated tokens match the reference
+  before the first difference, and the fraction equal position by position;
+- **copy probe**: how much an identifier defined earlier in the context raises the probability of
+  its later use (nats, against the same text with the definition renamed). A cache that drops the
+  definition loses this; the bundled models copy only over short spans, so the probe is short.
+
+``python -m minipd kvquality`` prints the table; :func:`measure` returns it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minipd.sampling_params import SamplingParams
+
+#: Identifiers the copy probe defines early and uses later (made up, so no model has seen them together).
+PROBE_NAMES = ("tally_crimson_ledgers", "rebuild_quartz_index", "scan_velvet_manifest", "prune_amber_queue",
+               "fold_cobalt_totals", "stitch_maple_records", "weigh_onyx_parcels", "sort_juniper_slots")
+
+
+def heldout_text() -> str:
+    """The held-out Python text the measurements run on."""
+    return (Path(__file__).resolve().parents[2] / "assets" / "text" / "heldout_code.txt").read_text()
+
+
+@dataclass
+class QualityReport:
+    """One configuration's cost and quality against the reference."""
+
+    method: str
+    bytes_per_token: float
+    #: KV bytes per token over an fp16 cache's (scales included).
+    bytes_vs_fp16: float
+    perplexity: float
+    #: Relative change of perplexity against the reference (0.01 is 1% worse).
+    perplexity_change: float
+    mean_kl: float
+    #: Mean generated tokens equal to the reference's before the first difference, and the share equal.
+    greedy_prefix: float
+    greedy_equal: float
+    #: Mean nats the earlier definition adds to an identifier's later use.
+    copy_gain: float
+
+
+def _llm(model: str, options: dict[str, Any]):
+    from minipd import LLM
+
+    return LLM(model, **{"enable_prefix_caching": False, **options})
+
+
+def next_token_logprobs(llm: Any, ids: Sequence[int]) -> torch.Tensor:
+    """(len(ids), V) log-probabilities: row i is the distribution after ``ids[:i + 1]``, computed by ``llm``
+    from its own (possibly compressed) cache. Captured at the LM head, so the full distribution."""
+    rows: list[torch.Tensor] = []
+    handle = llm.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.detach().float()))
+    try:
+        llm.generate([list(ids)], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        handle.remove()
+    table = torch.cat(rows)  # the prompt's rows chunk by chunk, then the sampled row
+    if table.shape[0] != len(ids):
+        raise RuntimeError(f"captured {table.shape[0]} rows of logits for {len(ids)} tokens")
+    return table.log_softmax(dim=-1)
+
+
+def windows(tokenizer: Any, length: int, count: int) -> list[list[int]]:
+    """``count`` consecutive windows of ``length`` tokens of the held-out text (fewer if it is short)."""
+    ids = tokenizer.encode(heldout_text())
+    return [ids[i * length:(i + 1) * length] for i in range(min(count, len(ids) // length))]
+
+
+def copy_probe(tokenizer: Any, filler_tokens: int = 60) -> list[tuple[list[int], list[int], tuple[int, int]]]:
+    """For each probe name: the text with the definition, the same with it renamed, and the span of
+    the later use's tokens after its first word (what copying predicts)."""
+    filler_ids = tokenizer.encode(heldout_text())
+    probes = []
+    for i, name in enumerate(PROBE_NAMES):
+        filler = tokenizer.decode(filler_ids[400 + 97 * i:400 + 97 * i + filler_tokens])
+        head, other = f"def {name}(rows):\n", "def unrelated(rows):\n"
+        body = "    return [row for row in rows if row]\n\n\n" + filler + "\n\n\nresult = "
+        first = name.split("_")[0] + "_"
+        start = len(tokenizer.encode(head + body + first))
+        end = len(tokenizer.encode(head + body + name))
+        use = f"{name}(rows)\n"
+        with_def, without = tokenizer.encode(head + body + use), tokenizer.encode(other + body + use)
+        shift = len(without) - len(with_def)  # the renamed definition may tokenize to another length
+        probes.append((with_def, without, (start, end, shift)))
+    return probes
+
+
+def _copy_gain(llm: Any, probes: list) -> float:
+    gains = []
+    for with_def, without, (start, end, shift) in probes:
+        a, b = next_token_logprobs(llm, with_def), next_token_logprobs(llm, without)
+        got = sum(a[j - 1, with_def[j]].item() for j in range(start, end))
+        base = sum(b[j - 1 + shift, without[j + shift]].item() for j in range(start, end))
+        gains.append(got - base)
+    return sum(gains) / len(gains)
+
+
+def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "int8"), window: int = 256,
+            num_windows: int = 6, greedy_prompts: int = 4, greedy_tokens: int = 128,
+            options: dict[str, dict[str, Any]] | None = None, progress: bool = True) -> list[QualityReport]:
+    """The quality table: the reference (``"auto"``) first, then each method.
+
+    Args:
+        methods: ``kv_cache_dtype`` names, or keys of ``options`` for other configurations.
+        window, num_windows: held-out text scored, in windows of this many tokens.
+        greedy_prompts, greedy_tokens: greedy generations compared (64-token held-out prompts).
+        options: engine options per method name, for methods that are not a ``kv_cache_dtype``.
+    """
+    from tqdm.auto import tqdm
+
+    options = options or {}
+    configs = {"auto": {}} | {m: options.get(m, {"kv_cache_dtype": m}) for m in methods}
+    reference = None
+    reports = []
+    for name, config in tqdm(configs.items(), desc="kv quality", disable=not progress):
+        llm = _llm(model, config)
+        texts = windows(llm.tokenizer, window, num_windows)
+        tables = [next_token_logprobs(llm, ids) for ids in texts]
+        prompts = [ids[:64] for ids in windows(llm.tokenizer, 64 + greedy_tokens, greedy_prompts)]
+        greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=greedy_tokens,
+                                                                           ignore_eos=True), use_tqdm=False)]
+        nll = torch.cat([-t[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+                         for t, ids in zip(tables, texts, strict=True)])
+        copy = _copy_gain(llm, copy_probe(llm.tokenizer))
+        spec = llm.engine.core.kv_spec
+        fp16 = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+        if reference is None:
+            reference = {"tables": tables, "ppl": math.exp(nll.mean().item()), "greedy": greedy}
+        kl = torch.cat([(r.exp() * (r - t)).sum(-1) for r, t in zip(reference["tables"], tables, strict=True)])
+        prefix, equal, total = [], 0, 0
+        for mine, ref in zip(greedy, reference["greedy"], strict=True):
+            same = [a == b for a, b in zip(mine, ref, strict=True)]
+            prefix.append(same.index(False) if False in same else len(same))
+            equal, total = equal + sum(same), total + len(same)
+        ppl = math.exp(nll.mean().item())
+        reports.append(QualityReport(name, spec.bytes_per_token, spec.bytes_per_token / fp16, ppl,
+                                     ppl / reference["ppl"] - 1, kl.mean().item(), sum(prefix) / len(prefix),
+                                     equal / total, copy))
+    return reports
+
+
+def format_table(reports: Sequence[QualityReport]) -> str:
+    """The reports as the fixed-width table the CLI prints."""
+    head = (f"{'method':>12} {'B/token':>8} {'vs fp16':>8} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
+            f"{'greedy=':>8} {'equal':>6} {'copy':>6}")
+    rows = [head]
+    for r in reports:
+        rows.append(f"{r.method:>12} {r.bytes_per_token:8.0f} {r.bytes_vs_fp16:7.3f}x {r.perplexity:8.3f} "
+                    f"{r.perplexity_change:+7.2%} {r.mean_kl:9.2e} {r.greedy_prefix:8.1f} {r.greedy_equal:6.1%} "
+                    f"{r.copy_gain:6.2f}")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m minipd kvquality``: print the quality table for the chosen cache formats."""
+    from minipd.kv.spec import KV_CACHE_DTYPES
+
+    parser = argparse.ArgumentParser(prog="python -m minipd kvquality", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-py")
+    parser.add_argument("--methods", nargs="+", default=["fp16", "fp8", "int8"],
+                        choices=[d for d in KV_CACHE_DTYPES if d != "auto"], help="kv_cache_dtype values to measure")
+    parser.add_argument("--windows", type=int, default=6, help="256-token held-out windows scored (>= 1)")
+    args = parser.parse_args(argv)
+    if args.windows < 1:
+        parser.error("--windows must be at least 1")
+    reports = measure(args.model, args.methods, num_windows=args.windows)
+    print(f"[kvquality] {args.model}, held-out text, reference = the model's dtype ('auto')")
+    print(format_table(reports))
+    print("  vs fp16: KV bytes per token (scales included) over an fp16 cache's; Δppl: perplexity change; KL: mean")
+    print("  KL(reference || method) per token; greedy=: tokens equal before the first difference (of 128); equal:")
+    print("  share of equal tokens; copy: nats an early definition adds to an identifier's later use.")
+    return 0
