@@ -32,6 +32,11 @@ class EngineConfig:
             ``"float16"`` (``"fp16"``) or ``"bfloat16"`` (``"bf16"``) — independent of the model's
             dtype — or quantized to 8 bits with a scale per token per KV head: ``"int8"`` or ``"fp8"``
             (e4m3). A quantized pool holds about twice the tokens of an fp16 one in the same memory.
+        kv_eviction: keep each request's K/V within ``kv_budget`` tokens by dropping whole blocks:
+            ``"sink-window"``, ``"knorm"``, ``"random"`` or a :class:`~minipd.kv.press.KVPress`;
+            None (the default) keeps everything.
+        kv_budget: tokens of K/V a request keeps with ``kv_eviction`` (at least two blocks); it holds
+            up to one block more, since only whole blocks are dropped.
         stats_history: how many recent steps' :class:`~minipd.engine.stats.StepStats` the engine
             keeps (older ones are dropped, so a long-running service does not grow).
         snapshot_interval: save a resumable snapshot every this many steps (None: never); needs
@@ -47,6 +52,8 @@ class EngineConfig:
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
     kv_cache_dtype: str = "auto"
+    kv_eviction: object = None
+    kv_budget: int | None = None
     stats_history: int = 10_000
     snapshot_interval: int | None = None
     snapshot_path: str | None = None
@@ -77,6 +84,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in kv_dtypes:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)}, "
                              f"got {self.kv_cache_dtype!r}")
+        self._check_eviction()
         if not is_integer(self.stats_history) or self.stats_history < 1:
             raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
         if self.snapshot_interval is not None:
@@ -86,6 +94,19 @@ class EngineConfig:
             if not isinstance(self.snapshot_path, (str, os.PathLike)) or not str(self.snapshot_path):
                 raise ValueError("snapshot_interval needs snapshot_path, the folder to write snapshots to, "
                                  f"got {self.snapshot_path!r}")
+
+    def _check_eviction(self) -> None:
+        from minipd.kv.press import make_press
+
+        if self.kv_eviction is None:
+            if self.kv_budget is not None:
+                raise ValueError("kv_budget needs kv_eviction (which press drops the blocks), got kv_eviction=None")
+            return
+        make_press(self.kv_eviction)  # names the choices when it is not one
+        if not is_integer(self.kv_budget) or self.kv_budget < 2 * self.block_size:
+            raise ValueError(f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
+                             f"with kv_eviction, got {self.kv_budget!r}")
+        self.kv_budget = int(self.kv_budget)
 
     def _check_policy(self) -> None:
         # Imported here: the scheduler pulls in the KV block manager, which the config has no other need for.

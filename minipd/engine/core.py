@@ -24,11 +24,12 @@ import torch
 from minipd.engine.config import EngineConfig
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
-from minipd.engine.scheduler import Scheduler
+from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
+from minipd.kv.press import blocks_to_drop, make_press
 from minipd.kv.spec import KVSpec
 from minipd.models.decoder import DecoderModel
 
@@ -78,6 +79,9 @@ class EngineCore:
         self.num_steps = 0
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
+        self.press = None if config.kv_eviction is None else make_press(config.kv_eviction)
+        #: Blocks dropped by the press so far (token eviction).
+        self.num_evicted_blocks = 0
 
     def _default_num_blocks(self) -> int:
         cfg = self.config
@@ -319,6 +323,8 @@ class EngineCore:
             scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
             outputs.append(self._output(request, [token], None if token_logprobs is None else [token_logprobs],
                                         scored or None))
+        if self.press is not None:
+            self._evict(batch)
         self._record(StepStats(
             start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -326,6 +332,24 @@ class EngineCore:
             prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
             step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
+
+    def _evict(self, batch: ScheduledBatch) -> None:
+        """Drop the lowest-scored full blocks of every request in the step that holds more than its budget."""
+        bs, budget = self.config.block_size, self.config.kv_budget
+        for request, _ in batch.entries:
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            alloc = request.blocks
+            cached = request.num_computed_tokens - alloc.num_dropped_tokens
+            count = (cached - budget) // bs  # whole blocks only: up to a block over the budget is kept
+            full = cached // bs
+            if count < 1 or full < count:
+                continue
+            table = torch.tensor(alloc.block_table[:full], device=self.pool.k.device)
+            firsts = alloc.block_positions(bs)[:full]
+            drop = blocks_to_drop(self.press, self.pool.keys(table), firsts, request.num_computed_tokens, count)
+            self.block_manager.drop_blocks(alloc, drop, request.num_computed_tokens)
+            self.num_evicted_blocks += len(drop)
 
     def _apply_imports(self) -> bool:
         """Write the K/V given with requests whose blocks are allocated; True if any arrived.

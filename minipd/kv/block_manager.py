@@ -101,6 +101,17 @@ class BlockAllocation:
     #: Tokens whose blocks were dropped from the middle of the table (token eviction). Token
     #: ``i``'s K/V then sit at cache index ``i - num_dropped_tokens`` rather than at its position.
     num_dropped_tokens: int = 0
+    #: The first token position of every dropped block, in order.
+    dropped_positions: list[int] = field(default_factory=list)
+
+    def block_positions(self, block_size: int) -> list[int]:
+        """The first token position of each block in the table (dropped blocks leave gaps)."""
+        dropped, positions, start = set(self.dropped_positions), [], 0
+        while len(positions) < len(self.block_table):
+            if start not in dropped:
+                positions.append(start)
+            start += block_size
+        return positions
 
 
 class BlockManager:
@@ -263,6 +274,7 @@ class BlockManager:
         alloc.block_table.clear()
         alloc.committed_hashes.clear()
         alloc.num_dropped_tokens = 0
+        alloc.dropped_positions.clear()
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -283,6 +295,8 @@ class BlockManager:
         full = (num_computed - alloc.num_dropped_tokens) // self.block_size
         if drop and (drop[0] < 0 or drop[-1] >= full):
             raise ValueError(f"block indices must be in [0, {full}) (the full blocks), got {list(indices)}")
+        positions = alloc.block_positions(self.block_size)
+        alloc.dropped_positions = sorted([*alloc.dropped_positions, *(positions[i] for i in drop)])
         for index in reversed(drop):
             self._release(alloc.block_table.pop(index))
         alloc.num_dropped_tokens += len(drop) * self.block_size

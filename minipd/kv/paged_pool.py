@@ -67,6 +67,11 @@ class PagedKVPool:
         return (QuantizedLayerCache(self.k[layer], self.k_scale[layer], fmt, dtype),  # type: ignore[index]
                 QuantizedLayerCache(self.v[layer], self.v_scale[layer], fmt, dtype))  # type: ignore[index]
 
+    def keys(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """The keys of ``block_ids`` in every layer, as floats: ``(blocks, layers, block_size, heads, dim)``."""
+        layers = [self.layer(i, torch.float32)[0][block_ids] for i in range(self.spec.num_layers)]
+        return torch.stack(layers, dim=1).float()
+
     @property
     def num_tokens(self) -> int:
         """How many tokens the pool holds when every block is full."""

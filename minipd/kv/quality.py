@@ -5,7 +5,9 @@ model's own dtype) on held-out text the bundled models never saw (``assets/text/
 
 - **perplexity** of the text, and its change: each token is scored by logits computed from the
   compressed cache. In minipd a prompt's queries read their K/V back from the pool (prefill and
-  decode alike), so scoring a prompt in one pass is decode mode for a quantized cache;
+  decode alike), so scoring a prompt in one pass is decode mode for a quantized cache; an evicting
+  cache (``"sink-window:64"``: a press and a budget) is fed one token per step, so every token
+  reads what the press kept by then;
 - **KL divergence** of the next-token distributions, reference → compressed, averaged over tokens
   (the full distributions, not their top entries);
 - **greedy agreement**: from held-out prompts, how many generated tokens match the reference
@@ -57,6 +59,24 @@ class QualityReport:
     greedy_equal: float
     #: Mean nats the earlier definition adds to an identifier's later use.
     copy_gain: float
+    #: Share of a window's tokens whose K/V are kept (1 without eviction); bytes_vs_fp16 counts it.
+    kept: float = 1.0
+
+
+def method_options(method: str) -> dict[str, Any]:
+    """Engine options for a method name: a ``kv_cache_dtype`` (``"int8"``), or a press and a token budget
+    (``"sink-window:64"``), optionally after a dtype (``"int8+knorm:64"``)."""
+    options: dict[str, Any] = {}
+    for part in method.split("+"):
+        if ":" in part:
+            press, budget = part.split(":", 1)
+            if not budget.isdigit():
+                raise ValueError(f"a method's budget must be a number of tokens, got {part!r}")
+            # One token per step: decode mode, so eviction happens as the text streams in.
+            options |= {"kv_eviction": press, "kv_budget": int(budget), "max_num_batched_tokens": 1}
+        elif part != "auto":
+            options["kv_cache_dtype"] = part
+    return options
 
 
 def _llm(model: str, options: dict[str, Any]):
@@ -86,14 +106,18 @@ def windows(tokenizer: Any, length: int, count: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(min(count, len(ids) // length))]
 
 
-def copy_probe(tokenizer: Any, filler_tokens: int = 60) -> list[tuple[list[int], list[int], tuple[int, int]]]:
+def copy_probe(tokenizer: Any, filler_tokens: int = 60,
+               preamble_tokens: int = 40) -> list[tuple[list[int], list[int], tuple[int, int, int]]]:
     """For each probe name: the text with the definition, the same with it renamed, and the span of
-    the later use's tokens after its first word (what copying predicts)."""
+    the later use's tokens after its first word (what copying predicts), with the token shift between
+    the two texts. A preamble comes first, so the definition is not among the very first tokens
+    (which sink-window eviction keeps whatever they say)."""
     filler_ids = tokenizer.encode(heldout_text())
     probes = []
     for i, name in enumerate(PROBE_NAMES):
         filler = tokenizer.decode(filler_ids[400 + 97 * i:400 + 97 * i + filler_tokens])
-        head, other = f"def {name}(rows):\n", "def unrelated(rows):\n"
+        preamble = tokenizer.decode(filler_ids[1200 + 61 * i:1200 + 61 * i + preamble_tokens]) + "\n\n\n"
+        head, other = f"{preamble}def {name}(rows):\n", f"{preamble}def unrelated(rows):\n"
         body = "    return [row for row in rows if row]\n\n\n" + filler + "\n\n\nresult = "
         first = name.split("_")[0] + "_"
         start = len(tokenizer.encode(head + body + first))
@@ -121,7 +145,7 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
     """The quality table: the reference (``"auto"``) first, then each method.
 
     Args:
-        methods: ``kv_cache_dtype`` names, or keys of ``options`` for other configurations.
+        methods: names :func:`method_options` understands, or keys of ``options``.
         window, num_windows: held-out text scored, in windows of this many tokens.
         greedy_prompts, greedy_tokens: greedy generations compared (64-token held-out prompts).
         options: engine options per method name, for methods that are not a ``kv_cache_dtype``.
@@ -129,7 +153,7 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
     from tqdm.auto import tqdm
 
     options = options or {}
-    configs = {"auto": {}} | {m: options.get(m, {"kv_cache_dtype": m}) for m in methods}
+    configs = {"auto": {}} | {m: options.get(m) or method_options(m) for m in methods}
     reference = None
     reports = []
     for name, config in tqdm(configs.items(), desc="kv quality", disable=not progress):
@@ -144,6 +168,8 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
         copy = _copy_gain(llm, copy_probe(llm.tokenizer))
         spec = llm.engine.core.kv_spec
         fp16 = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
+        budget = llm.engine.config.kv_budget
+        kept = 1.0 if budget is None else min(1.0, (budget + spec.block_size) / window)
         if reference is None:
             reference = {"tables": tables, "ppl": math.exp(nll.mean().item()), "greedy": greedy}
         kl = torch.cat([(r.exp() * (r - t)).sum(-1) for r, t in zip(reference["tables"], tables, strict=True)])
@@ -153,19 +179,20 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
             prefix.append(same.index(False) if False in same else len(same))
             equal, total = equal + sum(same), total + len(same)
         ppl = math.exp(nll.mean().item())
-        reports.append(QualityReport(name, spec.bytes_per_token, spec.bytes_per_token / fp16, ppl,
+        reports.append(QualityReport(name, spec.bytes_per_token * kept, spec.bytes_per_token * kept / fp16, ppl,
                                      ppl / reference["ppl"] - 1, kl.mean().item(), sum(prefix) / len(prefix),
-                                     equal / total, copy))
+                                     equal / total, copy, kept))
     return reports
 
 
 def format_table(reports: Sequence[QualityReport]) -> str:
     """The reports as the fixed-width table the CLI prints."""
-    head = (f"{'method':>12} {'B/token':>8} {'vs fp16':>8} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
+    width = max(12, *(len(r.method) for r in reports))
+    head = (f"{'method':>{width}} {'B/token':>8} {'vs fp16':>8} {'ppl':>8} {'Δppl':>8} {'KL':>9} "
             f"{'greedy=':>8} {'equal':>6} {'copy':>6}")
     rows = [head]
     for r in reports:
-        rows.append(f"{r.method:>12} {r.bytes_per_token:8.0f} {r.bytes_vs_fp16:7.3f}x {r.perplexity:8.3f} "
+        rows.append(f"{r.method:>{width}} {r.bytes_per_token:8.0f} {r.bytes_vs_fp16:7.3f}x {r.perplexity:8.3f} "
                     f"{r.perplexity_change:+7.2%} {r.mean_kl:9.2e} {r.greedy_prefix:8.1f} {r.greedy_equal:6.1%} "
                     f"{r.copy_gain:6.2f}")
     return "\n".join(rows)
@@ -173,20 +200,29 @@ def format_table(reports: Sequence[QualityReport]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m minipd kvquality``: print the quality table for the chosen cache formats."""
+    from minipd.engine.config import EngineConfig
     from minipd.kv.spec import KV_CACHE_DTYPES
 
     parser = argparse.ArgumentParser(prog="python -m minipd kvquality", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py")
     parser.add_argument("--methods", nargs="+", default=["fp16", "fp8", "int8"],
-                        choices=[d for d in KV_CACHE_DTYPES if d != "auto"], help="kv_cache_dtype values to measure")
+                        help=f"kv_cache_dtype values ({', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')}), "
+                             "presses with a token budget (sink-window:64, knorm:64, random:64), or both "
+                             "(int8+sink-window:64)")
     parser.add_argument("--windows", type=int, default=6, help="256-token held-out windows scored (>= 1)")
     args = parser.parse_args(argv)
     if args.windows < 1:
         parser.error("--windows must be at least 1")
+    for method in args.methods:
+        try:
+            EngineConfig(**method_options(method))
+        except ValueError as err:
+            parser.error(f"method {method!r}: {err}")
     reports = measure(args.model, args.methods, num_windows=args.windows)
     print(f"[kvquality] {args.model}, held-out text, reference = the model's dtype ('auto')")
     print(format_table(reports))
-    print("  vs fp16: KV bytes per token (scales included) over an fp16 cache's; Δppl: perplexity change; KL: mean")
+    print("  B/token: KV bytes per token of a 256-token window (scales included; an evicting cache keeps its budget")
+    print("  and up to a block more); vs fp16: over an fp16 cache's; Δppl: perplexity change; KL: mean")
     print("  KL(reference || method) per token; greedy=: tokens equal before the first difference (of 128); equal:")
     print("  share of equal tokens; copy: nats an early definition adds to an identifier's later use.")
     return 0

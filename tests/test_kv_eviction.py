@@ -1,0 +1,123 @@
+"""Token eviction ("presses"): decoding with dropped blocks equals HF attending to exactly the kept
+tokens at their true positions; block accounting stays whole; shared prefix blocks are never written;
+a reader's own press plugs in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minipd import LLM, SamplingParams
+from minipd.engine.config import EngineConfig
+from minipd.engine.engine import Engine
+from minipd.kv.press import KVPress, SinkWindowPress
+from minipd.models import bundled_models_dir
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-py")
+
+
+def engine_for(llm: LLM, **options) -> Engine:
+    config = EngineConfig(**{"num_kv_blocks": 64, "block_size": 8, **options})
+    return Engine(llm.model, llm.tokenizer, config, llm.max_model_len, llm.engine.eos_token_ids, seed=0)
+
+
+def code(llm: LLM, n: int, start: int = 0) -> list[int]:
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n\nclass Path:\n    pass\n" * 8
+    return llm.tokenizer.encode(text)[start:start + n]
+
+
+@pytest.mark.parametrize("press", ["sink-window", "knorm", "random"])
+def test_decoding_after_eviction_is_hf_attending_to_exactly_the_kept_tokens(llm, press):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(bundled_models_dir() / "tiny-py", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = engine_for(llm, kv_eviction=press, kv_budget=16)
+    prompt = code(llm, 30)
+    state = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1))
+    engine.add(state)
+    request = state.request
+    bs = 8
+    visible: dict[int, list[int]] = {}  # position fed in a decode step -> positions it could attend to
+    while not state.finished:
+        p = request.num_computed_tokens
+        if p >= len(prompt):
+            kept = [s + i for s in request.blocks.block_positions(bs) for i in range(bs) if s + i < p]
+            visible[p] = [*kept, p]
+        engine.step()
+        assert len(request.blocks.block_table) <= 16 // bs + 2  # the budget, a block over, the partial one
+    assert engine.core.num_evicted_blocks > 0 and len(visible) == 39
+    ids = prompt + state.token_ids[:-1]  # the last token is produced, never fed
+    n = len(ids)
+    mask = torch.full((n, n), float("-inf")).triu(1)  # prompt rows: causal
+    for p, allowed in visible.items():
+        mask[p] = float("-inf")
+        mask[p, allowed] = 0.0
+    assert any(len(a) < p + 1 for p, a in visible.items())  # some rows really lost tokens
+    with torch.no_grad():
+        table = hf(torch.tensor([ids]), attention_mask=mask[None, None]).logits[0].log_softmax(-1)
+    want = table[len(prompt) - 1:].argmax(-1).tolist()
+    assert state.token_ids == want
+    for j, token in enumerate(state.token_ids):
+        assert state.to_output().logprobs[j][token] == pytest.approx(table[len(prompt) - 1 + j, token].item(),
+                                                                       abs=1e-4)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_without_pressure_a_press_changes_nothing(llm):
+    prompt = code(llm, 20)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = llm.generate([prompt], params)[0].token_ids
+    roomy = LLM("tiny-py", kv_eviction="sink-window", kv_budget=64)
+    assert roomy.generate([prompt], params)[0].token_ids == plain and roomy.engine.core.num_evicted_blocks == 0
+
+
+def test_shared_prefix_blocks_are_released_never_written(llm):
+    engine = engine_for(llm, kv_eviction="sink-window", kv_budget=16, enable_prefix_caching=True)
+    prompt = code(llm, 40)
+    first = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    engine.add(first)
+    engine.step()  # its blocks are committed to the prefix cache and freed (it ended at one token)
+    cached = dict(engine.block_manager.cached)
+    contents = {b: engine.pool.k[:, b].clone() for b in cached.values()}
+    second = engine.make_request(prompt + code(llm, 8, 60), SamplingParams(temperature=0, max_tokens=24,
+                                                                         ignore_eos=True))
+    engine.add(second)
+    while not second.finished:
+        engine.step()
+    assert second.metrics.cached_tokens > 0 and engine.core.num_evicted_blocks > 0
+    for block, before in contents.items():  # the second request read them, dropped them, wrote none
+        if engine.block_manager.blocks[block].block_hash is not None:
+            assert torch.equal(engine.pool.k[:, block], before)
+    assert engine.block_manager.num_used_blocks == 0
+
+
+class LargestKeysFirst(KVPress):
+    name = "largest-keys"
+
+    def score(self, keys, first_positions, num_tokens):
+        return keys.abs().amax(dim=(1, 2, 3, 4))
+
+
+def test_a_readers_press_plugs_in_and_bad_presses_are_refused(llm):
+    custom = LLM("tiny-py", kv_eviction=LargestKeysFirst(), kv_budget=32)
+    out = custom.generate([code(llm, 30)], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert len(out.token_ids) == 40 and custom.engine.core.num_evicted_blocks > 0
+    with pytest.raises(ValueError, match=r"kv_eviction must be one of 'sink-window', 'knorm', 'random'"):
+        LLM("tiny-py", kv_eviction="h3o", kv_budget=64)
+    with pytest.raises(ValueError, match=r"kv_budget must be an integer of at least two blocks \(32 tokens\)"):
+        LLM("tiny-py", kv_eviction="knorm", kv_budget=20)
+    with pytest.raises(ValueError, match="kv_budget needs kv_eviction"):
+        LLM("tiny-py", kv_budget=64)
+
+    class Broken(KVPress):
+        def score(self, keys, first_positions, num_tokens):
+            return torch.zeros(1)
+
+    broken = LLM("tiny-py", kv_eviction=Broken(), kv_budget=32)
+    with pytest.raises(ValueError, match=r"Broken.score returned shape \(1,\)"):
+        broken.generate([code(llm, 60)], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert isinstance(LLM("tiny-py", kv_eviction="sink-window", kv_budget=32).engine.core.press, SinkWindowPress)
