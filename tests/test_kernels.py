@@ -215,3 +215,50 @@ def test_add_rms_norm_matches_reference(shape: tuple[int, ...], dtype: torch.dty
     assert normed.dtype == want_normed.dtype
     torch.testing.assert_close(normed, want_normed, atol=tol, rtol=tol)
     assert torch.equal(x, x_before) and torch.equal(residual, res_before)  # inputs left alone
+
+
+# --- quantized caches (int8, fp8): the kernels dequantize tiles as they load them -------------------
+
+
+def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, fmt_name: str, dtype: torch.dtype):
+    """The same pool quantized per token and KV head: views for the kernels, and the dequantized floats."""
+    from minipd.kv.quant import FORMATS, QuantizedLayerCache
+
+    fmt = FORMATS[fmt_name]
+    views, floats = [], []
+    for cache in (k_cache, v_cache):
+        codes, scales = fmt.quantize(clean(cache))
+        views.append(QuantizedLayerCache(codes, scales, fmt, dtype))
+        floats.append(fmt.dequantize(codes, scales, torch.float32))
+    return views, floats
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_decode_and_prefill_match_the_dequantizing_reference(fmt_name: str, dtype: torch.dtype) -> None:
+    lens, q_lens = [1, 17, 40, 9], [1, 17, 5, 9]
+    k_cache, v_cache, tables, context = make_pool(lens, 2, 32, 16, torch.float32, seed=11)
+    (kq, vq), (kf, vf) = quantized_caches(k_cache, v_cache, fmt_name, dtype)
+    atol, rtol = ATTN_TOL[dtype]
+    q = randn(len(lens), 8, 32, dtype=dtype, seed=12)
+    got = paged_decode_attention_triton(q, kq, vq, tables, context, 0.2, None)
+    want = paged_decode_attention_torch(q.float(), kf, vf, tables, context, 0.2, None)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    torch_view = paged_decode_attention_torch(q, kq, vq, tables, context, 0.2, None)  # the reference's own path
+    torch.testing.assert_close(torch_view.float(), want, atol=atol, rtol=rtol)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    qp = randn(sum(q_lens), 8, 32, dtype=dtype, seed=13)
+    got = paged_prefill_attention_triton(qp, kq, vq, tables, starts, context, 0.2, 24)
+    want = paged_prefill_attention_torch(qp.float(), kf, vf, tables, starts, context, 0.2, 24)
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+def test_an_engine_on_triton_kernels_with_an_int8_cache_matches_the_torch_one() -> None:
+    from minipd import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 99, 4, 300, 21, 8], list(range(40, 75))]
+    on_triton = LLM("tiny-py", kernel_backend="triton", kv_cache_dtype="int8", num_kv_blocks=16)
+    on_torch = LLM("tiny-py", kernel_backend="torch", kv_cache_dtype="int8", num_kv_blocks=16)
+    assert [o.token_ids for o in on_triton.generate(prompts, params, use_tqdm=False)] == \
+        [o.token_ids for o in on_torch.generate(prompts, params, use_tqdm=False)]

@@ -193,9 +193,3 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of 'auto'.*'int8'.*got 'int3'"):
         LLM("tiny-py", kv_cache_dtype="int3")
     assert set(QUANTIZED) <= set(KV_CACHE_DTYPES) and {"fp16", "bf16"} <= set(KV_CACHE_DTYPES)
-
-
-def test_triton_refuses_a_quantized_cache_with_a_hint(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match=r"kernel_backend='triton' has no kernels for quantized.*'int8'"):
-        LLM("tiny-py", kernel_backend="triton", kv_cache_dtype="int8", num_kv_blocks=8)

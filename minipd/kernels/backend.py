@@ -52,8 +52,7 @@ def _triton_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
     if not pow2(spec.head_dim):
         return f"needs a power-of-two head_dim, and this model's is {spec.head_dim}; use kernel_backend='torch'"
     if spec.is_quantized:
-        return (f"has no kernels for quantized KV caches yet (kv_cache_dtype={spec.quant!r}); "
-                "use kernel_backend='torch'")
+        return None  # the kernels dequantize int8 and fp8 tiles as they load them
     if spec.dtype != model_dtype:
         return (f"reads the cache in the model's dtype ({model_dtype}); kv_cache_dtype gives {spec.dtype}: "
                 "use kv_cache_dtype='auto' or kernel_backend='torch'")

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minipd.kernels.kv_store import store_kv_torch
+
 __all__ = ["store_kv_triton"]
 
 
@@ -52,8 +54,12 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     The caches are (num_blocks, block_size, kv_heads, head_dim) with a contiguous last dimension;
     ``k`` and ``v`` may be strided views (e.g. slices of a fused qkv projection) as long as their
     last dimension is contiguous. Negative slots are skipped (masked in the kernel, so
-    ``has_padding`` changes nothing here).
+    ``has_padding`` changes nothing here). A quantized cache is written by the torch reference,
+    which quantizes.
     """
+    if hasattr(k_cache, "store"):  # a quantized cache quantizes on the way in (see minipd.kv.quant)
+        store_kv_torch(k, v, k_cache, v_cache, slot_mapping, has_padding=has_padding)
+        return
     del has_padding
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:

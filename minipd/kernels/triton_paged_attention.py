@@ -13,6 +13,9 @@ whenever a later tile raises the maximum. Accumulation is in fp32 whatever the c
 - :func:`paged_prefill_attention_triton`: one program per (sequence, tile of queries, query head),
   causal, every sequence's chunk in the same launch.
 
+Both read 8-bit quantized caches (``kv_cache_dtype="int8"`` or ``"fp8"``) too, dequantizing each
+tile in registers as it is loaded, so the memory traffic is the codes and their scales.
+
 On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this module and the same
 kernels run, slowly, in the Triton interpreter on CPU tensors.
 """
@@ -38,18 +41,28 @@ _LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, table_ptr, pos, in_range, kv_head,
-                  stride_block, stride_off, stride_head,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, in_range, kv_head,
+                  stride_block, stride_off, stride_head, stride_s_block, stride_s_off, stride_s_head,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Gather rows ``pos`` (TILE_N,) of one sequence's K or V for one KV head: (TILE_N, HEAD_DIM).
 
     Position ``p`` lives in slot ``p % BLOCK_SIZE`` of physical block ``table[p // BLOCK_SIZE]``.
-    Rows outside ``in_range`` read neither the table nor the pool and come back as zeros.
+    Rows outside ``in_range`` read neither the table nor the pool and come back as zeros. A quantized
+    cache (``QUANT`` 1: int8 codes, 2: fp8 e4m3 stored as bytes) is dequantized here, in registers:
+    each row's codes times its scale (one per token and KV head), so only the codes cross memory.
     """
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-    row = block * stride_block + (pos % BLOCK_SIZE) * stride_off + kv_head * stride_head
+    slot = pos % BLOCK_SIZE
+    row = block * stride_block + slot * stride_off + kv_head * stride_head
     dims = tl.arange(0, HEAD_DIM)
-    return tl.load(cache_ptr + row[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+    tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=in_range[:, None], other=0)
+    if QUANT == 0:
+        return tile
+    scale = tl.load(scale_ptr + block * stride_s_block + slot * stride_s_off + kv_head * stride_s_head,
+                    mask=in_range, other=0.0).to(tl.float32)
+    if QUANT == 2:
+        tile = tile.to(tl.float8e4nv, bitcast=True)
+    return (tile.to(tl.float32) * scale[:, None]).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -73,12 +86,12 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, PRECISION:
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
     scale_log2, window,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
-    stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+    stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head, stride_bt_seq,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,10 +117,12 @@ def _paged_decode_kernel(
     for start in range((first // TILE_N) * TILE_N, context, TILE_N):
         pos = start + offs_n
         in_range = (pos >= first) & (pos < context)
-        k = _load_kv_tile(k_cache_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, BLOCK_SIZE, HEAD_DIM)
-        v = _load_kv_tile(v_cache_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, BLOCK_SIZE, HEAD_DIM)
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, table_ptr, pos, in_range, kv_head,
+                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
+                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, table_ptr, pos, in_range, kv_head,
+                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
+                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
         allowed = row_ok[:, None] & in_range[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, PRECISION)
 
@@ -118,12 +133,12 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr,
-    scale_log2, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
+    context_lens_ptr, scale_log2, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_off, stride_c_head, stride_bt_seq,
+    stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head, stride_bt_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -157,10 +172,12 @@ def _paged_prefill_kernel(
     for start in range((first // TILE_N) * TILE_N, end, TILE_N):
         pos = start + offs_n
         in_range = (pos >= first) & (pos < end)
-        k = _load_kv_tile(k_cache_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, BLOCK_SIZE, HEAD_DIM)
-        v = _load_kv_tile(v_cache_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, BLOCK_SIZE, HEAD_DIM)
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, table_ptr, pos, in_range, kv_head,
+                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
+                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, table_ptr, pos, in_range, kv_head,
+                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
+                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
         allowed = row_ok[:, None] & in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -183,21 +200,23 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     del context_lens_host  # the kernel reads lengths on the device
     batch, q_heads, head_dim = q.shape
-    kv_heads = _check_pool(q, k_cache, v_cache)
+    k_cache, v_cache, k_scale, v_scale, quant = _unpack(q, k_cache, v_cache)
+    kv_heads = _check_pool(q, k_cache, v_cache, quant)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = q_heads // kv_heads
     q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
-    fp32 = k_cache.dtype == torch.float32
+    fp32 = q.dtype == torch.float32
     _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, out, block_tables, context_lens,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
+        k_scale.stride(2), block_tables.stride(0),
         GROUP=group, ROWS=max(_MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], TILE_N=32 if fp32 else 64, HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if fp32 else None,
+        PRECISION="ieee" if fp32 else None, QUANT=quant,
         num_warps=4,
     )
     return out
@@ -216,7 +235,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     the last of its ``context_lens[i]`` tokens, all of whose K/V are already in the pool.
     """
     num_tokens, q_heads, head_dim = q.shape
-    kv_heads = _check_pool(q, k_cache, v_cache)
+    k_cache, v_cache, k_scale, v_scale, quant = _unpack(q, k_cache, v_cache)
+    kv_heads = _check_pool(q, k_cache, v_cache, quant)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = context_lens.shape[0]
     if num_tokens == 0 or batch == 0:
@@ -230,23 +250,40 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         longest = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if longest <= 0:
         return out
-    fp32 = k_cache.dtype == torch.float32
+    fp32 = q.dtype == torch.float32
     block_m = 32 if fp32 else 64
     q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
     _paged_prefill_kernel[(batch, triton.cdiv(longest, block_m), q_heads)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens,
+        q, k_cache, v_cache, k_scale, v_scale, out, block_tables, query_start_loc, context_lens,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
+        k_scale.stride(2), block_tables.stride(0),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         TILE_N=32 if fp32 else 64, HAS_WINDOW=sliding_window is not None,
-        PRECISION="ieee" if fp32 else None,
+        PRECISION="ieee" if fp32 else None, QUANT=quant,
         num_warps=4,
     )
     return out
 
 
-def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+#: The kernels' ``QUANT`` code for each quantized format (0: a plain floating-point cache).
+_QUANT_CODES = {"int8": 1, "fp8": 2}
+
+
+def _unpack(q: torch.Tensor, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The code (or value) tensors, their scales (the value tensors again, unread, for a plain cache) and
+    the ``QUANT`` code, for caches given as tensors or as :class:`~minipd.kv.quant.QuantizedLayerCache`."""
+    if not hasattr(k_cache, "codes"):
+        return k_cache, v_cache, k_cache, v_cache, 0
+    if k_cache.fmt.name not in _QUANT_CODES:
+        raise ValueError(f"no Triton kernel reads kv_cache_dtype={k_cache.fmt.name!r}")
+    if k_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache dequantizes to {k_cache.dtype}")
+    return k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales, _QUANT_CODES[k_cache.fmt.name]
+
+
+def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, quant: int = 0) -> int:
     """Validate the shapes the kernels rely on; return the number of KV heads."""
     q_heads, head_dim = q.shape[-2:]
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
@@ -258,7 +295,7 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
         raise ValueError(f"{q_heads} query heads cannot be split evenly over {kv_heads} KV heads")
     if not _is_pow2(head_dim) or not _is_pow2(block_size):
         raise ValueError(f"head_dim ({head_dim}) and block_size ({block_size}) must be powers of two")
-    if q.dtype != k_cache.dtype:
+    if not quant and q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
     return kv_heads
 

@@ -140,7 +140,7 @@ def _copy_gain(llm: Any, probes: list) -> float:
 
 
 def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "int8"), window: int = 256,
-            num_windows: int = 6, greedy_prompts: int = 4, greedy_tokens: int = 128,
+            num_windows: int = 6, greedy_prompts: int = 4, greedy_tokens: int = 128, num_probes: int = len(PROBE_NAMES),
             options: dict[str, dict[str, Any]] | None = None, progress: bool = True) -> list[QualityReport]:
     """The quality table: the reference (``"auto"``) first, then each method.
 
@@ -148,6 +148,7 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
         methods: names :func:`method_options` understands, or keys of ``options``.
         window, num_windows: held-out text scored, in windows of this many tokens.
         greedy_prompts, greedy_tokens: greedy generations compared (64-token held-out prompts).
+        num_probes: copy probes run (at most ``len(PROBE_NAMES)``).
         options: engine options per method name, for methods that are not a ``kv_cache_dtype``.
     """
     from tqdm.auto import tqdm
@@ -165,7 +166,7 @@ def measure(model: str = "tiny-py", methods: Sequence[str] = ("fp16", "fp8", "in
                                                                            ignore_eos=True), use_tqdm=False)]
         nll = torch.cat([-t[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
                          for t, ids in zip(tables, texts, strict=True)])
-        copy = _copy_gain(llm, copy_probe(llm.tokenizer))
+        copy = _copy_gain(llm, copy_probe(llm.tokenizer)[:max(1, num_probes)])
         spec = llm.engine.core.kv_spec
         fp16 = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2
         budget = llm.engine.config.kv_budget
