@@ -233,7 +233,7 @@ def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, fmt_name: str
     return views, floats
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantized_decode_and_prefill_match_the_dequantizing_reference(fmt_name: str, dtype: torch.dtype) -> None:
     lens, q_lens = [1, 17, 40, 9], [1, 17, 5, 9]

@@ -29,7 +29,7 @@ def code(llm: LLM, n: int, start: int = 0) -> list[int]:
     return llm.tokenizer.encode(text)[start:start + n]
 
 
-@pytest.mark.parametrize("press", ["sink-window", "knorm", "random"])
+@pytest.mark.parametrize("press", ["sink-window", "knorm", "h2o", "snapkv", "random"])
 def test_decoding_after_eviction_is_hf_attending_to_exactly_the_kept_tokens(llm, press):
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +106,8 @@ def test_a_readers_press_plugs_in_and_bad_presses_are_refused(llm):
     custom = LLM("tiny-py", kv_eviction=LargestKeysFirst(), kv_budget=32)
     out = custom.generate([code(llm, 30)], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     assert len(out.token_ids) == 40 and custom.engine.core.num_evicted_blocks > 0
-    with pytest.raises(ValueError, match=r"kv_eviction must be one of 'sink-window', 'knorm', 'random'"):
+    with pytest.raises(ValueError, match=r"kv_eviction must be one of 'sink-window', 'knorm', 'h2o', 'snapkv', "
+                                         r"'random'"):
         LLM("tiny-py", kv_eviction="h3o", kv_budget=64)
     with pytest.raises(ValueError, match=r"kv_budget must be an integer of at least two blocks \(32 tokens\)"):
         LLM("tiny-py", kv_eviction="knorm", kv_budget=20)
@@ -121,3 +122,28 @@ def test_a_readers_press_plugs_in_and_bad_presses_are_refused(llm):
     with pytest.raises(ValueError, match=r"Broken.score returned shape \(1,\)"):
         broken.generate([code(llm, 60)], SamplingParams(max_tokens=30, ignore_eos=True))
     assert isinstance(LLM("tiny-py", kv_eviction="sink-window", kv_budget=32).engine.core.press, SinkWindowPress)
+
+
+@pytest.mark.parametrize(("press", "window"), [("h2o", None), ("snapkv", 16)])
+def test_the_attention_a_press_sees_is_hf_attention_summed(llm, press, window):
+    """H2O sums the attention every query paid each token (over layers and heads); SnapKV only the
+    prompt's last ``window`` queries'. Checked against HF's eager attention weights, no eviction yet."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(bundled_models_dir() / "tiny-py", dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    engine = engine_for(llm, kv_eviction=press, kv_budget=256, max_num_batched_tokens=16)  # chunked prompt
+    prompt = code(llm, 40)
+    state = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.add(state)
+    for _ in range(8):  # three prompt chunks, then five decodes; still running, so still tracked
+        engine.step()
+    received = engine.core.attention_tracker.received[state.request_id]
+    ids = prompt + state.token_ids[:-1]
+    with torch.no_grad():
+        weights = torch.stack(hf(torch.tensor([ids]), output_attentions=True).attentions)[:, 0]  # (L, H, q, k)
+    queries = slice(len(prompt) - window, len(prompt)) if window else slice(None)
+    want = weights[:, :, queries].sum(dim=(0, 1, 2))
+    assert len(ids) > len(prompt) and received.numel() <= len(ids)
+    torch.testing.assert_close(received, want[:received.numel()], atol=1e-4, rtol=1e-4)
+    assert float(want[received.numel():].abs().sum()) == 0  # nothing watched reached past the end

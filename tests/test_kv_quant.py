@@ -17,7 +17,7 @@ from minipd.kv.paged_pool import PagedKVPool
 from minipd.kv.quant import FORMATS, fake_quantize
 from minipd.kv.spec import KV_CACHE_DTYPES, KVSpec
 
-QUANTIZED = ["int8", "fp8"]
+QUANTIZED = ["int8", "fp8", "int4"]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +40,12 @@ def test_codes_round_trip_within_the_formats_error_bound(name):
     fmt = FORMATS[name]
     x = activations()
     codes, scales = fmt.quantize(x)
-    assert codes.dtype == fmt.storage and codes.shape == x.shape
+    assert codes.dtype == fmt.storage and codes.shape == (*x.shape[:-1], x.shape[-1] // fmt.pack)
     assert scales.dtype == torch.float16 and scales.shape == x.shape[:-1]
     back = fmt.dequantize(codes, scales, torch.float32)
     step = scales.float().unsqueeze(-1)
     err = (back - x).abs()
-    if name == "int8":
+    if name in ("int8", "int4"):
         assert bool((err <= 0.5 * step + 1e-12).all())  # half a code step: rounding to the nearest
     else:  # e4m3: 3 mantissa bits, so at most 2^-4 relative; below 2^-6, subnormal steps of 2^-9
         assert bool((err <= 2.0**-4 * x.abs() + 2.0**-10 * step + 1e-12).all())
@@ -53,7 +53,7 @@ def test_codes_round_trip_within_the_formats_error_bound(name):
     # The largest magnitude of every row maps to (about) the largest code.
     assert torch.allclose(back.abs().amax(-1)[7:], x.abs().amax(-1)[7:], rtol=2e-3)
     # Far below the values' spread, even with outlier channels stretching every row's scale.
-    assert (err.pow(2).mean() / x.pow(2).mean()).item() < {"int8": 5e-4, "fp8": 5e-3}[name]
+    assert (err.pow(2).mean() / x.pow(2).mean()).item() < {"int8": 5e-4, "fp8": 5e-3, "int4": 0.2}[name]
 
 
 def quantized_and_reference_pools(name: str, rows: int = 70, seed: int = 1):
@@ -94,14 +94,15 @@ def test_bytes_are_counted_with_their_scales_and_the_pool_holds_more_tokens(llm,
     memory = 4 * 2**20
     fp16 = LLM("tiny-py", kv_cache_dtype="fp16", kv_cache_memory=memory)
     quant = LLM("tiny-py", kv_cache_dtype=name, kv_cache_memory=memory)
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim * 1 + 2)  # codes + fp16 scale
+    code_bytes = cfg.head_dim // FORMATS[name].pack
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (code_bytes + 2)  # codes + fp16 scale
     assert quant.engine.core.kv_spec.bytes_per_token == per_token
     assert fp16.engine.core.kv_spec.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
         cfg.head_dim * 2
     pool = quant.engine.pool
     assert pool.nbytes == pool.num_blocks * quant.engine.core.kv_spec.bytes_per_block <= memory
     ratio = quant.kv_capacity_tokens / fp16.kv_capacity_tokens
-    assert ratio == pytest.approx((2 * cfg.head_dim) / (cfg.head_dim + 2), rel=0.01)
+    assert ratio == pytest.approx((2 * cfg.head_dim) / (code_bytes + 2), rel=0.01)
 
 
 def engine_for(llm: LLM, **options) -> Engine:

@@ -33,7 +33,8 @@ class EngineConfig:
             dtype — or quantized to 8 bits with a scale per token per KV head: ``"int8"`` or ``"fp8"``
             (e4m3). A quantized pool holds about twice the tokens of an fp16 one in the same memory.
         kv_eviction: keep each request's K/V within ``kv_budget`` tokens by dropping whole blocks:
-            ``"sink-window"``, ``"knorm"``, ``"random"`` or a :class:`~minipd.kv.press.KVPress`;
+            ``"sink-window"``, ``"knorm"``, ``"h2o"``, ``"snapkv"``, ``"random"`` or a
+            :class:`~minipd.kv.press.KVPress`;
             None (the default) keeps everything.
         kv_budget: tokens of K/V a request keeps with ``kv_eviction`` (at least two blocks); it holds
             up to one block more, since only whole blocks are dropped.

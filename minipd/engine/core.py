@@ -29,7 +29,7 @@ from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
-from minipd.kv.press import blocks_to_drop, make_press
+from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
 from minipd.kv.spec import KVSpec
 from minipd.models.decoder import DecoderModel
 
@@ -80,6 +80,10 @@ class EngineCore:
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
         self.press = None if config.kv_eviction is None else make_press(config.kv_eviction)
+        self.attention_tracker: AttentionTracker | None = None
+        if self.press is not None and self.press.needs_attention:
+            self.attention_tracker = AttentionTracker(config.block_size, getattr(self.press, "window", None))
+            self.runner.attention_observer = self.attention_tracker.observe
         #: Blocks dropped by the press so far (token eviction).
         self.num_evicted_blocks = 0
 
@@ -336,6 +340,8 @@ class EngineCore:
     def _evict(self, batch: ScheduledBatch) -> None:
         """Drop the lowest-scored full blocks of every request in the step that holds more than its budget."""
         bs, budget = self.config.block_size, self.config.kv_budget
+        if self.attention_tracker is not None:
+            self.attention_tracker.forget(set(self.requests))
         for request, _ in batch.entries:
             if request.status is not RequestStatus.RUNNING:
                 continue
@@ -347,7 +353,12 @@ class EngineCore:
                 continue
             table = torch.tensor(alloc.block_table[:full], device=self.pool.k.device)
             firsts = alloc.block_positions(bs)[:full]
-            drop = blocks_to_drop(self.press, self.pool.keys(table), firsts, request.num_computed_tokens, count)
+            context = {}
+            if self.attention_tracker is not None:
+                context = {"attention": self.attention_tracker.block_mass(request.request_id, firsts),
+                           "num_prompt_tokens": request.num_prompt_tokens}
+            drop = blocks_to_drop(self.press, self.pool.keys(table), firsts, request.num_computed_tokens, count,
+                                  **context)
             self.block_manager.drop_blocks(alloc, drop, request.num_computed_tokens)
             self.num_evicted_blocks += len(drop)
 

@@ -102,6 +102,9 @@ class ModelRunner:
         self.buffers = InputBuffers(max_num_batched_tokens, max_num_seqs, max_blocks, self.device)
         #: Called as ``layer_hook(batch, layer)`` once each layer's K/V of a step are stored (layer-wise KV transfer).
         self.layer_hook: Callable[[ScheduledBatch, int], None] | None = None
+        #: Called as ``attention_observer(batch, layer, q, k_cache, scale)`` before each layer attends
+        #: (token eviction by received attention).
+        self.attention_observer: Callable[..., None] | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
                                                       list[Request], list[int]]:
@@ -184,7 +187,8 @@ class ModelRunner:
         and the log-probabilities asked for."""
         input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
         hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
-        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook), self.kernels)
+        observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
+        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook, observer), self.kernels)
         hidden = self.model(input_ids, positions, context)
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not to_sample:

@@ -13,8 +13,8 @@ whenever a later tile raises the maximum. Accumulation is in fp32 whatever the c
 - :func:`paged_prefill_attention_triton`: one program per (sequence, tile of queries, query head),
   causal, every sequence's chunk in the same launch.
 
-Both read 8-bit quantized caches (``kv_cache_dtype="int8"`` or ``"fp8"``) too, dequantizing each
-tile in registers as it is loaded, so the memory traffic is the codes and their scales.
+Both read quantized caches (``kv_cache_dtype="int8"``, ``"fp8"`` or ``"int4"``) too, dequantizing
+each tile in registers as it is loaded, so the memory traffic is the codes and their scales.
 
 On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this module and the same
 kernels run, slowly, in the Triton interpreter on CPU tensors.
@@ -48,14 +48,20 @@ def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, in_range, kv_head,
 
     Position ``p`` lives in slot ``p % BLOCK_SIZE`` of physical block ``table[p // BLOCK_SIZE]``.
     Rows outside ``in_range`` read neither the table nor the pool and come back as zeros. A quantized
-    cache (``QUANT`` 1: int8 codes, 2: fp8 e4m3 stored as bytes) is dequantized here, in registers:
-    each row's codes times its scale (one per token and KV head), so only the codes cross memory.
+    cache (``QUANT`` 1: int8 codes, 2: fp8 e4m3 stored as bytes, 3: int4 nibbles two to a byte) is
+    dequantized here, in registers: each row's codes times its scale (one per token and KV head),
+    so only the codes cross memory.
     """
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     slot = pos % BLOCK_SIZE
     row = block * stride_block + slot * stride_off + kv_head * stride_head
     dims = tl.arange(0, HEAD_DIM)
-    tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=in_range[:, None], other=0)
+    if QUANT == 3:
+        # Dimension d is in byte d // 2: its low nibble for even d, high for odd; stored as code + 8.
+        packed = tl.load(cache_ptr + row[:, None] + (dims // 2)[None, :], mask=in_range[:, None], other=0)
+        tile = ((packed >> ((dims % 2) * 4)[None, :]) & 15).to(tl.int32) - 8
+    else:
+        tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=in_range[:, None], other=0)
     if QUANT == 0:
         return tile
     scale = tl.load(scale_ptr + block * stride_s_block + slot * stride_s_off + kv_head * stride_s_head,
@@ -268,7 +274,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 #: The kernels' ``QUANT`` code for each quantized format (0: a plain floating-point cache).
-_QUANT_CODES = {"int8": 1, "fp8": 2}
+_QUANT_CODES = {"int8": 1, "fp8": 2, "int4": 3}
 
 
 def _unpack(q: torch.Tensor, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -289,7 +295,7 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must both be (num_blocks, block_size, kv_heads, head_dim), same layout")
     block_size, kv_heads, cache_dim = k_cache.shape[1:]
-    if cache_dim != head_dim or k_cache.stride(-1) != 1:
+    if cache_dim * (2 if quant == 3 else 1) != head_dim or k_cache.stride(-1) != 1:
         raise ValueError(f"cache rows must be contiguous and of size head_dim={head_dim}")
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads cannot be split evenly over {kv_heads} KV heads")

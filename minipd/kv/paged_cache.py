@@ -40,13 +40,17 @@ class PagedKVCache:
     """Implements the model's cache interface over a :class:`PagedKVPool` for one step."""
 
     def __init__(self, pool: PagedKVPool, metadata: PagedAttentionMetadata, kernels: KernelBackend,
-                 on_layer_stored: Callable[[int], None] | None = None) -> None:
+                 on_layer_stored: Callable[[int], None] | None = None,
+                 on_attend: Callable[..., None] | None = None) -> None:
         self.pool = pool
         self.metadata = metadata
         self.kernels = kernels
         #: Called with a layer's index as soon as its K/V for this step are in the pool (a KV connector
         #: sends that layer while the next one computes).
         self.on_layer_stored = on_layer_stored
+        #: Called as ``on_attend(layer, q, k_cache, scale)`` before each layer attends (presses that
+        #: score tokens by the attention they receive watch it here).
+        self.on_attend = on_attend
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None) -> torch.Tensor:
@@ -55,6 +59,8 @@ class PagedKVCache:
         kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping, has_padding=False)
         if self.on_layer_stored is not None:
             self.on_layer_stored(layer_idx)
+        if self.on_attend is not None:
+            self.on_attend(layer_idx, q, k_cache, scale)
         num_decode = md.num_decode_tokens
         if num_decode == q.shape[0]:
             return self._decode(q, k_cache, v_cache, scale, sliding_window)

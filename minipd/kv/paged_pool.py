@@ -48,8 +48,9 @@ class PagedKVPool:
     def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str) -> None:
         shape = (spec.num_layers, num_blocks, *spec.block_shape)
         self.spec = spec
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        zero = FORMATS[spec.quant].zero if spec.quant else 0  # what decodes to 0.0
+        self.k = torch.full(shape, zero, dtype=spec.dtype, device=device)
+        self.v = torch.full(shape, zero, dtype=spec.dtype, device=device)
         self.k_scale = self.v_scale = None
         if spec.scale_dtype is not None:
             scale_shape = (spec.num_layers, num_blocks, *spec.scale_shape)

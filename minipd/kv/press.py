@@ -16,13 +16,18 @@ A press only scores blocks; writing one is a few lines::
             return keys.abs().amax(dim=(1, 2, 3, 4))  # keep the blocks with the largest keys
 
 The presses here: ``"sink-window"`` (StreamingLLM: the first block, where attention sinks live, and
-the most recent ones), ``"knorm"`` (keep keys of small norm, which draw the most attention), and
-``"random"`` (a control).
+the most recent ones), ``"knorm"`` (keep keys of small norm, which draw the most attention),
+``"h2o"`` (heavy hitters: the blocks that have received the most attention so far, and the newest),
+``"snapkv"`` (the prompt blocks its last queries attend to most; generated blocks by recency) and
+``"random"`` (a control). The two attention-based presses set ``needs_attention``: the engine then
+watches every layer's attention (:class:`AttentionTracker`, extra work each step) and passes each
+block's share to ``score``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -31,6 +36,8 @@ class KVPress(ABC):
     """Ranks a request's full blocks; the engine drops the lowest-scored ones beyond the budget."""
 
     name = "press"
+    #: True: ``score`` also receives ``attention``, each block's share of the attention observed.
+    needs_attention = False
 
     @abstractmethod
     def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int) -> torch.Tensor:
@@ -40,6 +47,9 @@ class KVPress(ABC):
             keys: the blocks' keys, dequantized: ``(blocks, layers, block_size, kv_heads, head_dim)``.
             first_positions: the position (in the request's tokens) of each block's first token.
             num_tokens: the request's tokens so far.
+
+        A press with ``needs_attention`` gets ``attention=`` too: ``(blocks,)``, the attention the
+        blocks' tokens received, summed over the queries it watches, heads and layers.
         """
 
 
@@ -78,7 +88,98 @@ class RandomPress(KVPress):
         return torch.rand(len(first_positions), generator=generator)
 
 
-PRESSES: dict[str, type[KVPress]] = {p.name: p for p in (SinkWindowPress, KNormPress, RandomPress)}
+class H2OPress(KVPress):
+    """Heavy hitters (H2O, Zhang et al., 2023): keep the blocks whose tokens received the most attention
+    from every query so far, and the newest block, which has not yet had time to collect any."""
+
+    name = "h2o"
+    needs_attention = True
+
+    def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int, *,
+              attention: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        scores = attention.clone() if attention is not None else torch.zeros(len(first_positions))
+        scores[max(range(len(first_positions)), key=first_positions.__getitem__)] = float("inf")
+        return scores
+
+
+class SnapKVPress(KVPress):
+    """SnapKV (Li et al., 2024): the prompt's last ``window`` queries (the "observation window") show
+    which prompt tokens matter; keep the prompt blocks they attend to most. Generated blocks are
+    ranked by recency, after every prompt block."""
+
+    name = "snapkv"
+    needs_attention = True
+
+    def __init__(self, window: int = 16) -> None:
+        self.window = window
+
+    def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int, *,
+              attention: torch.Tensor | None = None, num_prompt_tokens: int | None = None, **_: Any) -> torch.Tensor:
+        scores = attention.clone() if attention is not None else torch.zeros(len(first_positions))
+        prompt_end = num_tokens if num_prompt_tokens is None else num_prompt_tokens
+        for i, first in enumerate(first_positions):
+            if first + keys.shape[2] > prompt_end:  # holds generated tokens (or the prompt's tail)
+                scores[i] = 1e30 + first
+        return scores
+
+
+class AttentionTracker:
+    """Accumulates, per request and token position, the attention that token has received.
+
+    Installed as the model runner's ``attention_observer``: before each layer attends, it recomputes
+    the softmax of the queries it watches against the request's cached keys (the reference's own
+    arithmetic, so it costs about one more attention per watched query). ``window``: watch only each
+    prompt's last ``window`` queries (SnapKV); None: every query (H2O).
+    """
+
+    def __init__(self, block_size: int, window: int | None = None) -> None:
+        self.block_size, self.window = block_size, window
+        self.received: dict[str, torch.Tensor] = {}
+
+    def observe(self, batch: Any, layer: int, q: torch.Tensor, k_cache: Any, scale: float) -> None:
+        """Add this layer's attention of the batch's watched queries to the tokens they attend to."""
+        bs = self.block_size
+        decodes = [(r, n) for r, n in batch.entries if n == 1]  # the runner's row order: one-query rows first
+        row = 0
+        for request, n in decodes + [(r, n) for r, n in batch.entries if n > 1]:
+            rows, row = slice(row, row + n), row + n
+            start = request.num_computed_tokens
+            first = start
+            if self.window is not None:  # only the prompt's last queries
+                first = max(start, request.num_prompt_tokens - self.window)
+                if first >= min(start + n, request.num_prompt_tokens):
+                    continue
+            cached = start - request.blocks.num_dropped_tokens + n
+            table = torch.tensor(request.blocks.block_table[:-(-cached // bs)], device=q.device)
+            keys = k_cache[table].flatten(0, 1)[:cached].float()  # (cached, kv_heads, dim)
+            positions = torch.tensor([p + i for p in request.blocks.block_positions(bs) for i in range(bs)][:cached])
+            queries = q[rows][first - start:min(start + n, request.num_prompt_tokens if self.window else start + n)
+                              - start].float()
+            q_pos = torch.arange(first, first + queries.shape[0])
+            group = queries.shape[1] // keys.shape[1]
+            logits = torch.einsum("qhd,khd->hqk", queries, keys.repeat_interleave(group, dim=1)) * scale
+            logits = logits.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+            mass = logits.softmax(dim=-1).sum(dim=(0, 1))
+            total = self.received.setdefault(request.request_id, torch.zeros(0))
+            if total.numel() <= int(positions.max()):
+                total = torch.cat([total, torch.zeros(int(positions.max()) + 1 - total.numel())])
+            total.index_add_(0, positions, mass.cpu())
+            self.received[request.request_id] = total
+
+    def block_mass(self, request_id: str, first_positions: list[int]) -> torch.Tensor:
+        """The attention each block's tokens received, ``(blocks,)``."""
+        total = self.received.get(request_id, torch.zeros(0))
+        padded = torch.cat([total, torch.zeros(max(0, max(first_positions) + self.block_size - total.numel()))])
+        return torch.stack([padded[f:f + self.block_size].sum() for f in first_positions])
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop what was kept for requests not in ``keep`` (finished, aborted)."""
+        for request_id in [r for r in self.received if r not in keep]:
+            del self.received[request_id]
+
+
+PRESSES: dict[str, type[KVPress]] = {p.name: p for p in (SinkWindowPress, KNormPress, H2OPress, SnapKVPress,
+                                                          RandomPress)}
 
 
 def make_press(press: str | KVPress) -> KVPress:
@@ -92,9 +193,12 @@ def make_press(press: str | KVPress) -> KVPress:
 
 
 def blocks_to_drop(press: KVPress, keys: torch.Tensor, first_positions: list[int], num_tokens: int,
-                   count: int) -> list[int]:
-    """Indices (into the blocks given) of the ``count`` lowest-scored blocks, ties to the oldest."""
-    scores = press.score(keys, first_positions, num_tokens)
+                   count: int, **context: Any) -> list[int]:
+    """Indices (into the blocks given) of the ``count`` lowest-scored blocks, ties to the oldest.
+
+    ``context`` (``attention=``, ``num_prompt_tokens=``) reaches presses with ``needs_attention``."""
+    scores = press.score(keys, first_positions, num_tokens, **context) if press.needs_attention else \
+        press.score(keys, first_positions, num_tokens)
     if scores.shape != (len(first_positions),):
         raise ValueError(f"{type(press).__name__}.score returned shape {tuple(scores.shape)}, expected "
                          f"({len(first_positions)},)")

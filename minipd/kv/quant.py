@@ -1,4 +1,4 @@
-"""Quantized KV caches: 8-bit values with a scale per token per KV head.
+"""Quantized KV caches: 8- or 4-bit values with a scale per token per KV head.
 
 A token's K (or V) in one KV head is a vector of ``head_dim`` numbers. We store it as 8-bit codes
 plus one fp16 scale, chosen so the vector's largest magnitude maps to the format's largest code:
@@ -6,6 +6,8 @@ plus one fp16 scale, chosen so the vector's largest magnitude maps to the format
 - ``"int8"``: symmetric integers in [-127, 127]; ``x ≈ code * scale``, ``scale = max|x| / 127``;
 - ``"fp8"``: float8 e4m3 (3 mantissa bits, largest 448); ``x ≈ float(code) * scale``,
   ``scale = max|x| / 448``. Its relative error is the same at every magnitude, int8's is not.
+- ``"int4"``: symmetric integers in [-7, 7], two to a byte (``code + 8`` in each nibble, the even
+  dimension in the low one). A quarter of fp16's bytes plus the scale; sixteen times int8's step.
 
 Per token (rather than per tensor or per block) means a token written later never changes the scale
 of one written earlier, so a block can be filled one decode step at a time, and a prefix-cached block
@@ -33,6 +35,10 @@ class QuantFormat:
     #: and copy op works on it on every device).
     storage: torch.dtype
     qmax: float
+    #: Codes per stored element (2: int4 nibbles packed in a byte).
+    pack: int = 1
+    #: The stored element that decodes to zero (an empty pool is filled with it).
+    zero: int = 0
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (same shape as ``x``, :attr:`storage`) and fp16 scales (``x.shape[:-1]``) for ``x``."""
@@ -42,17 +48,24 @@ class QuantFormat:
         scaled = xf / scale.float().unsqueeze(-1)
         if self.name == "int8":
             return scaled.round().clamp(-self.qmax, self.qmax).to(torch.int8), scale
+        if self.name == "int4":
+            nibbles = (scaled.round().clamp(-self.qmax, self.qmax) + 8).to(torch.uint8)
+            return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scale
         return scaled.clamp(-self.qmax, self.qmax).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Values of ``dtype`` from codes and their scales (``codes.shape[:-1]``)."""
-        values = codes.view(torch.float8_e4m3fn) if self.name == "fp8" else codes
-        return (values.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)).to(dtype)
+        if self.name == "int4":
+            values = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2).to(torch.float32) - 8
+        else:
+            values = (codes.view(torch.float8_e4m3fn) if self.name == "fp8" else codes).to(torch.float32)
+        return (values * scales.to(torch.float32).unsqueeze(-1)).to(dtype)
 
 
 FORMATS: dict[str, QuantFormat] = {
     "int8": QuantFormat("int8", torch.int8, 127.0),
     "fp8": QuantFormat("fp8", torch.uint8, 448.0),
+    "int4": QuantFormat("int4", torch.uint8, 7.0, pack=2, zero=0x88),
 }
 
 
@@ -67,7 +80,7 @@ class QuantizedLayerCache:
     """One layer's K (or V) in a quantized pool, read and written as if it held floats.
 
     Args:
-        codes: ``(num_blocks, block_size, kv_heads, head_dim)`` codes of :attr:`fmt`'s storage dtype.
+        codes: ``(num_blocks, block_size, kv_heads, head_dim // fmt.pack)`` codes of :attr:`fmt`'s storage dtype.
         scales: ``(num_blocks, block_size, kv_heads)`` fp16 scales.
         fmt: the code format.
         dtype: what reads return (the queries' dtype).
@@ -79,7 +92,7 @@ class QuantizedLayerCache:
     @property
     def shape(self) -> torch.Size:
         """The shape of the values it stands for."""
-        return self.codes.shape
+        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * self.fmt.pack))
 
     @property
     def device(self) -> torch.device:

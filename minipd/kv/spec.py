@@ -60,6 +60,9 @@ class KVSpec:
         if kv_cache_dtype not in FORMATS:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                              f"got {kv_cache_dtype!r}")
+        if config.head_dim % FORMATS[kv_cache_dtype].pack:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} packs {FORMATS[kv_cache_dtype].pack} values a byte "
+                             f"and needs an even head_dim; this model's is {config.head_dim}")
         # One fp16 scale per token per KV head, beside the codes.
         return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
                    FORMATS[kv_cache_dtype].storage, (block_size, config.num_key_value_heads), torch.float16,
@@ -67,8 +70,9 @@ class KVSpec:
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """Shape of one block of K (or V) in one layer."""
-        return self.block_size, self.num_kv_heads, self.head_dim
+        """Shape of one block of K (or V) in one layer, as stored (int4 packs two values a byte)."""
+        pack = FORMATS[self.quant].pack if self.quant else 1
+        return self.block_size, self.num_kv_heads, self.head_dim // pack
 
     @property
     def is_quantized(self) -> bool:
