@@ -339,3 +339,23 @@ def test_logprobs_come_back_from_both_workers(llm):
         for g, w in zip([*got.logprobs, *got.prompt_logprobs[1:]], [*want.logprobs, *want.prompt_logprobs[1:]],
                         strict=True):
             assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-5 for t in g)
+
+
+def test_a_transfer_report_that_comes_after_the_last_token_still_lands_in_the_metrics(llm):
+    """In push modes the decode worker learns of the written K/V from the transport, and the front end
+    from the prefill worker, on another socket: a request may finish before that report. Its final
+    output waits for it, so every request carries its bytes and timeline."""
+    prompts, _ = mixed(llm, 8)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = tokens(llm.generate(prompts, params))
+    per_block = 2 * llm.config.num_hidden_layers * 16 * llm.config.num_key_value_heads * llm.config.head_dim * 4
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_transfer="push", kv_lease_s=20,
+                          start_timeout=120) as pd:
+        pd.inject_fault("prefill0", "late_reports")
+        outputs = pd.generate(prompts, params)
+        assert tokens(outputs) == expected
+        for o in outputs:
+            assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
+            assert o.metrics.kv_timeline is not None and o.metrics.kv_timeline.transfer is not None
+            assert o.metrics.finish_time >= o.metrics.kv_transfer_end
+        wait_until_blocks_free(pd)

@@ -143,19 +143,17 @@ class AttentionTracker:
         row = 0
         for request, n in decodes + [(r, n) for r, n in batch.entries if n > 1]:
             rows, row = slice(row, row + n), row + n
-            start = request.num_computed_tokens
-            first = start
+            start, first, end = request.num_computed_tokens, request.num_computed_tokens, request.num_computed_tokens + n
             if self.window is not None:  # only the prompt's last queries
-                first = max(start, request.num_prompt_tokens - self.window)
-                if first >= min(start + n, request.num_prompt_tokens):
-                    continue
+                first, end = max(start, request.num_prompt_tokens - self.window), min(end, request.num_prompt_tokens)
+            if first >= end:
+                continue
             cached = start - request.blocks.num_dropped_tokens + n
             table = torch.tensor(request.blocks.block_table[:-(-cached // bs)], device=q.device)
             keys = k_cache[table].flatten(0, 1)[:cached].float()  # (cached, kv_heads, dim)
             positions = torch.tensor([p + i for p in request.blocks.block_positions(bs) for i in range(bs)][:cached])
-            queries = q[rows][first - start:min(start + n, request.num_prompt_tokens if self.window else start + n)
-                              - start].float()
-            q_pos = torch.arange(first, first + queries.shape[0])
+            queries = q[rows][first - start:end - start].float()
+            q_pos = torch.arange(first, end)
             group = queries.shape[1] // keys.shape[1]
             logits = torch.einsum("qhd,khd->hqk", queries, keys.repeat_interleave(group, dim=1)) * scale
             logits = logits.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))

@@ -100,6 +100,9 @@ class _Flight:
     kv_done: bool = False
     mode: str = "pull"  # the kv_transfer in force when the request arrived
     held_back: bool = False  # it has waited in the backlog for decode room at least once
+    #: Push modes: the final output, kept until the prefill worker's word on the transfer arrives (it
+    #: comes on another socket than the decode worker's outputs), so the metrics are complete.
+    parked: tuple[EngineCoreOutput, float, float] | None = None  # the output, its timestamp, when parked
 
 
 class DisaggregatedLLM:
@@ -140,6 +143,7 @@ class DisaggregatedLLM:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if not isinstance(kv_lease_s, (int, float)) or not kv_lease_s > 0:
             raise ValueError(f"kv_lease_s must be a positive number of seconds, got {kv_lease_s!r}")
+        self._lease_s = float(kv_lease_s)
         if kv_transport is None:
             kv_transport = "nixl" if nixl_available() is None else "torch"
         if kv_transport not in TRANSPORTS:
@@ -528,6 +532,9 @@ class DisaggregatedLLM:
         for worker in list(self._workers.values()):
             if not worker.alive and worker.requests:
                 self._on_death(worker)
+        now = time.monotonic()
+        for flight in [f for f in self._flights.values() if f.parked and now - f.parked[2] > self._lease_s]:
+            self._unpark(flight)  # a report that never came must not hold the request back for ever
         self._admit_backlog()
 
     def _on_message(self, message: dict) -> None:
@@ -565,9 +572,13 @@ class DisaggregatedLLM:
                     m.kv_timeline = KVTimeline(flight.mode, **message["timeline"])
                 if m.kv_timeline is not None:
                     m.kv_timeline.transfer = (message["start"], message["end"])
+                self._unpark(flight)
         elif kind == "kv_failed":
             flight = self._flights.get(message["request_id"])
-            if flight is not None and not flight.kv_done:
+            if flight is not None and flight.parked is not None:  # it finished: the K/V were there
+                flight.kv_done = True
+                self._unpark(flight)
+            elif flight is not None and not flight.kv_done:
                 flight.kv_done = True  # whatever else comes for this transfer is stale
                 if flight.phase == "decode":
                     self.num_recovered_requests += 1
@@ -613,7 +624,19 @@ class DisaggregatedLLM:
             self._send(worker, ("release_kv", out.request_id))
         out = dataclasses.replace(out, num_prefill_tokens=out.num_prefill_tokens + flight.prefill_tokens,
                                   num_cached_tokens=out.num_cached_tokens + flight.cached_tokens)
+        prefill_worker = self._workers.get(flight.state.metrics.prefill_worker or "")
+        if out.finished and flight.dest and not flight.kv_done and prefill_worker is not None \
+                and prefill_worker.alive:  # a push into this worker's reservation is still unreported
+            flight.parked = (out, timestamp, time.monotonic())
+            return
         self._deliver(flight, out, timestamp)
+
+    def _unpark(self, flight: _Flight) -> None:
+        """Deliver a final output that waited for its transfer's report."""
+        if flight.parked is not None:
+            out, timestamp, _ = flight.parked
+            flight.parked = None
+            self._deliver(flight, out, timestamp)
 
     def _adopt(self, flight: _Flight) -> None:
         """Push modes: the decode worker takes the request into the blocks the prefill worker writes into."""
@@ -653,6 +676,8 @@ class DisaggregatedLLM:
         """Send the dead worker's unfinished requests elsewhere, recomputed from the tokens produced so far."""
         orphans = [self._flights[r] for r in sorted(worker.requests, key=int) if r in self._flights]
         worker.requests.clear()
+        for flight in [f for f in self._flights.values() if f.parked and f.state.metrics.prefill_worker == worker.name]:
+            self._unpark(flight)  # its transfer report will never come
         self.num_recovered_requests += len(orphans)
         for flight in orphans:
             if flight.dest and flight.dest != worker.name and self._workers[flight.dest].alive:
@@ -718,9 +743,11 @@ class DisaggregatedLLM:
         """Make a worker misbehave on purpose, to watch recovery: ``"lose_reads"`` (every K/V read the
         decode worker starts vanishes in flight, so leases must expire and requests be recomputed) or
         ``"slow_writes"`` (with ``kv_transport="torch"``: every K/V write into this worker lands 20 ms
-        late, so writes are still arriving when the front end has moved on)."""
-        if fault not in ("lose_reads", "slow_writes"):
-            raise ValueError(f"fault must be 'lose_reads' or 'slow_writes', got {fault!r}")
+        late, so writes are still arriving when the front end has moved on) or ``"late_reports"``
+        (a prefill worker's reports of finished pushes reach the front end 0.3 s late, after the
+        decode worker may have finished the request)."""
+        if fault not in ("lose_reads", "slow_writes", "late_reports"):
+            raise ValueError(f"fault must be 'lose_reads', 'slow_writes' or 'late_reports', got {fault!r}")
         if fault == "slow_writes" and self.kv_transport != "torch":
             raise ValueError("fault 'slow_writes' needs kv_transport='torch' (NIXL writes land without the "
                              "receiving worker's help)")
