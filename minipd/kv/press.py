@@ -143,7 +143,8 @@ class AttentionTracker:
         row = 0
         for request, n in decodes + [(r, n) for r, n in batch.entries if n > 1]:
             rows, row = slice(row, row + n), row + n
-            start, first, end = request.num_computed_tokens, request.num_computed_tokens, request.num_computed_tokens + n
+            start = first = request.num_computed_tokens
+            end = start + n
             if self.window is not None:  # only the prompt's last queries
                 first, end = max(start, request.num_prompt_tokens - self.window), min(end, request.num_prompt_tokens)
             if first >= end:
