@@ -1,7 +1,7 @@
 """Quantized KV caches: 8- or 4-bit values with a scale per token per KV head.
 
-A token's K (or V) in one KV head is a vector of ``head_dim`` numbers. We store it as 8-bit codes
-plus one fp16 scale, chosen so the vector's largest magnitude maps to the format's largest code:
+A token's K (or V) in one KV head is a vector of ``head_dim`` numbers. We store it as 8- or 4-bit
+codes plus one fp16 scale, chosen so the vector's largest magnitude maps to the format's largest code:
 
 - ``"int8"``: symmetric integers in [-127, 127]; ``x ≈ code * scale``, ``scale = max|x| / 127``;
 - ``"fp8"``: float8 e4m3 (3 mantissa bits, largest 448); ``x ≈ float(code) * scale``,
@@ -28,7 +28,7 @@ import torch
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """An 8-bit code format: how codes are stored and the largest magnitude a code holds."""
+    """A code format: how codes are stored and the largest magnitude a code holds."""
 
     name: str
     #: The dtype of the stored codes (fp8 is stored as its raw bytes, ``uint8``, so that every indexing
@@ -41,7 +41,8 @@ class QuantFormat:
     zero: int = 0
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes (same shape as ``x``, :attr:`storage`) and fp16 scales (``x.shape[:-1]``) for ``x``."""
+        """Codes (``x``'s shape, the last dimension divided by :attr:`pack`; :attr:`storage`) and fp16
+        scales (``x.shape[:-1]``) for ``x``."""
         xf = x.float()
         # Scales are stored in fp16; quantize with the rounded scale, so decoding is exact to it.
         scale = (xf.abs().amax(dim=-1) / self.qmax).clamp_min(2.0**-24).to(torch.float16)
