@@ -13,6 +13,7 @@ counts what :class:`minipd.kv.spec.KVSpec` counts (``tests/test_exercises_ch06.p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -155,18 +156,16 @@ def _bytes_cases() -> list[Case]:
 # --- checking: quantize_int8 --------------------------------------------------------------------
 
 
-class _ReaderFormat:
-    """The engine's int8 format with the reader's ``quantize``: same storage, qmax and ``dequantize``."""
+class _ReaderFormat(quant.QuantFormat):
+    """The engine's int8 format with the reader's ``quantize``: every other field and ``dequantize`` are
+    the engine's own."""
 
     def __init__(self, base: quant.QuantFormat, quantize: Callable[[torch.Tensor], Any]) -> None:
-        self.name, self.storage, self.qmax = base.name, base.storage, base.qmax
-        self._base, self._quantize = base, quantize
+        super().__init__(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        object.__setattr__(self, "_quantize", quantize)  # the dataclass is frozen
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._quantize(x)
-
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._base.dequantize(codes, scales, dtype)
 
 
 def _compare_exact(name: str, what: str, actual: Any, expected: torch.Tensor, where: str) -> CheckResult | None:
