@@ -357,5 +357,4 @@ def test_a_transfer_report_that_comes_after_the_last_token_still_lands_in_the_me
         for o in outputs:
             assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
             assert o.metrics.kv_timeline is not None and o.metrics.kv_timeline.transfer is not None
-            assert o.metrics.finish_time >= o.metrics.kv_transfer_end
         wait_until_blocks_free(pd)
