@@ -98,7 +98,7 @@ def quant_ternary(x):
 @pytest.mark.parametrize(("bug", "expected"), [
     (quant_scale_over_128, "scales: max |diff| "),
     (quant_scale_not_rounded_first, "codes: max |diff| 1;"),
-    (quant_no_clamp, "scales: max |diff| 5.96e-08; first mismatch at index (1, 0): got 0, expected 5.96046e-08 "
+    (quant_no_clamp, "scales: max |diff| 5.96e-08; first mismatch at index (1, 0): got 0, expected 5.96e-08 "
                      "[case: an all-zero row (token 1, head 0)]"),
     (quant_max_not_abs, "scales: max |diff| "),
     (quant_float_codes, "codes: dtype torch.float32, expected torch.int8"),

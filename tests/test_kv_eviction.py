@@ -147,3 +147,23 @@ def test_the_attention_a_press_sees_is_hf_attention_summed(llm, press, window):
     assert len(ids) > len(prompt) and received.numel() <= len(ids)
     torch.testing.assert_close(received, want[:received.numel()], atol=1e-4, rtol=1e-4)
     assert float(want[received.numel():].abs().sum()) == 0  # nothing watched reached past the end
+
+
+@pytest.mark.parametrize("press", ["sink-window", "random", "h2o", "snapkv"])
+def test_presses_that_never_read_key_values_get_their_shape_only(llm, press, monkeypatch):
+    engine = engine_for(llm, kv_eviction=press, kv_budget=16)
+    seen: list[torch.Tensor] = []
+    original = engine.core.press.score
+
+    def spy(keys, *args, **kwargs):
+        seen.append(keys)
+        return original(keys, *args, **kwargs)
+
+    monkeypatch.setattr(engine.core.press, "score", spy)
+    monkeypatch.setattr(engine.core.pool, "keys", lambda *_: pytest.fail("dequantized every layer's keys"))
+    state = engine.make_request(code(llm, 30), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.add(state)
+    while not state.finished:
+        engine.step()
+    assert seen and all(k.device.type == "meta" and k.shape[1:] == (6, 8, 2, 32) for k in seen)
+    assert engine.core.num_evicted_blocks > 0

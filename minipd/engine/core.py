@@ -357,8 +357,8 @@ class EngineCore:
             if self.attention_tracker is not None:
                 context = {"attention": self.attention_tracker.block_mass(request.request_id, firsts),
                            "num_prompt_tokens": request.num_prompt_tokens}
-            drop = blocks_to_drop(self.press, self.pool.keys(table), firsts, request.num_computed_tokens, count,
-                                  **context)
+            keys = self.pool.keys(table) if self.press.needs_keys else self.pool.keys_shape(table)
+            drop = blocks_to_drop(self.press, keys, firsts, request.num_computed_tokens, count, **context)
             self.block_manager.drop_blocks(alloc, drop, request.num_computed_tokens)
             self.num_evicted_blocks += len(drop)
 

@@ -22,7 +22,7 @@ import torch
 from minipd import LLM, SamplingParams
 from minipd.exercises.ch04 import _check_numbers
 from minipd.exercises.ch05 import MODEL_SHAPES, TINY_PY
-from minipd.exercises.checking import Case, CheckResult, call_reader, compare_tensors, describe_exception, report, todo
+from minipd.exercises.checking import Case, CheckResult, call_reader, describe_exception, report, tensor_mismatch, todo
 from minipd.kv import quant
 from minipd.kv.press import KVPress, blocks_to_drop
 
@@ -168,25 +168,6 @@ class _ReaderFormat(quant.QuantFormat):
         return self._quantize(x)
 
 
-def _compare_exact(name: str, what: str, actual: Any, expected: torch.Tensor, where: str) -> CheckResult | None:
-    """None if ``actual`` is ``expected`` exactly (type, shape, dtype, values), else the FAIL saying where not."""
-    if not isinstance(actual, torch.Tensor):
-        return CheckResult("FAIL", name, f"{what}: got {type(actual).__name__}, expected a torch.Tensor {where}")
-    if actual.shape != expected.shape:
-        return CheckResult("FAIL", name, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)} "
-                                         f"{where}")
-    if actual.dtype != expected.dtype:
-        return CheckResult("FAIL", name, f"{what}: dtype {actual.dtype}, expected {expected.dtype} {where}")
-    ok, max_diff, first = compare_tensors(actual, expected, 0.0, 0.0)
-    if ok:
-        return None
-    assert first is not None
-    got, want = actual.detach().cpu()[first].item(), expected[first].item()
-    return CheckResult("FAIL", name, f"{what}: max |diff| {max_diff:.3g}; first mismatch at index {first}: "
-                                     f"got {got:.6g}, expected {want:.6g} {where}",
-                       max_diff=max_diff, first_mismatch=first)
-
-
 def _int8_engine_tokens(llm: LLM) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     return [out.token_ids for out in llm.generate(QUANT_PROMPTS, params)]
@@ -237,7 +218,7 @@ def check_quantize_int8(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.T
                                                     f"(codes, scales) {where}"))
         # The scales first: a wrong scale makes the codes wrong too, and is the thing to fix.
         for what, got, want in (("scales", actual[1], expected[1]), ("codes", actual[0], expected[0])):
-            failure = _compare_exact(name, what, got, want, where)
+            failure, _ = tensor_mismatch(name, got, want, 0.0, 0.0, where, subject=f"{what}:")
             if failure is not None:
                 return report(failure)
     return report(_check_int8_in_engine(name, fn))

@@ -154,25 +154,36 @@ def check_tensor_fn(
         actual, failure = call_reader(name, fn, case)
         if failure is not None:
             return failure
-        where = f"[case: {case.label}]"
-        if not isinstance(actual, torch.Tensor):
-            return CheckResult("FAIL", name, f"returned {type(actual).__name__}, expected a torch.Tensor {where}")
-        if actual.shape != expected.shape:
-            return CheckResult("FAIL", name, f"returned shape {tuple(actual.shape)}, expected "
-                                             f"{tuple(expected.shape)} {where}")
-        if actual.dtype != expected.dtype:
-            return CheckResult("FAIL", name, f"returned dtype {actual.dtype}, expected {expected.dtype} {where}")
         case_atol = atol if case.atol is None else case.atol
         case_rtol = rtol if case.rtol is None else case.rtol
-        ok, max_diff, first = compare_tensors(actual, expected, case_atol, case_rtol)
+        failure, max_diff = tensor_mismatch(name, actual, expected, case_atol, case_rtol, f"[case: {case.label}]")
+        if failure is not None:
+            return failure
         worst = max(worst, max_diff)
-        if not ok:
-            assert first is not None
-            got, want = _format_value(actual, first), _format_value(expected, first)
-            message = (f"max |diff| {max_diff:.1e}; first mismatch at index {first}: "
-                       f"got {got}, expected {want} {where}")
-            return CheckResult("FAIL", name, message, max_diff=max_diff, first_mismatch=first)
     return CheckResult("PASS", name, max_diff=worst)
+
+
+def tensor_mismatch(name: str, actual: Any, expected: torch.Tensor, atol: float, rtol: float, where: str,
+                    subject: str = "") -> tuple[CheckResult | None, float]:
+    """``(None, max |diff|)`` if ``actual`` is a tensor of ``expected``'s shape and dtype within the tolerances,
+    else the FAIL saying what differs first. ``subject`` names the tensor in the message (``"codes:"``);
+    without it the message speaks of what the function returned."""
+    lead = subject or "returned"
+    if not isinstance(actual, torch.Tensor):
+        return CheckResult("FAIL", name, f"{lead} {type(actual).__name__}, expected a torch.Tensor {where}"), 0.0
+    if actual.shape != expected.shape:
+        return CheckResult("FAIL", name, f"{lead} shape {tuple(actual.shape)}, expected "
+                                         f"{tuple(expected.shape)} {where}"), 0.0
+    if actual.dtype != expected.dtype:
+        return CheckResult("FAIL", name, f"{lead} dtype {actual.dtype}, expected {expected.dtype} {where}"), 0.0
+    ok, max_diff, first = compare_tensors(actual, expected, atol, rtol)
+    if ok:
+        return None, max_diff
+    assert first is not None
+    got, want = _format_value(actual, first), _format_value(expected, first)
+    message = (f"{subject + ' ' if subject else ''}max |diff| {max_diff:.3g}; first mismatch at index {first}: "
+               f"got {got}, expected {want} {where}")
+    return CheckResult("FAIL", name, message, max_diff=max_diff, first_mismatch=first), max_diff
 
 
 def _clone(value: Any) -> Any:

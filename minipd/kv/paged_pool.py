@@ -73,6 +73,12 @@ class PagedKVPool:
         layers = [self.layer(i, torch.float32)[0][block_ids] for i in range(self.spec.num_layers)]
         return torch.stack(layers, dim=1).float()
 
+    def keys_shape(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """A ``meta`` tensor shaped like :meth:`keys` would return: the shape without the work."""
+        spec = self.spec
+        return torch.empty((len(block_ids), spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim),
+                           device="meta")
+
     @property
     def num_tokens(self) -> int:
         """How many tokens the pool holds when every block is full."""

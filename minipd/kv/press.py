@@ -38,6 +38,9 @@ class KVPress(ABC):
     name = "press"
     #: True: ``score`` also receives ``attention``, each block's share of the attention observed.
     needs_attention = False
+    #: False: ``score`` never reads the keys' values, so the engine skips dequantizing every layer's keys
+    #: and passes a ``meta`` tensor of the same shape (its shape can be read, its values cannot).
+    needs_keys = True
 
     @abstractmethod
     def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int) -> torch.Tensor:
@@ -58,6 +61,7 @@ class SinkWindowPress(KVPress):
     recent blocks; drop from the oldest after the sinks."""
 
     name = "sink-window"
+    needs_keys = False
 
     def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int) -> torch.Tensor:
         scores = torch.tensor(first_positions, dtype=torch.float32)
@@ -79,6 +83,7 @@ class RandomPress(KVPress):
     """Drop blocks at random (the same blocks for the same request and length): the control."""
 
     name = "random"
+    needs_keys = False
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -93,6 +98,7 @@ class H2OPress(KVPress):
     from every query so far, and the newest block, which has not yet had time to collect any."""
 
     name = "h2o"
+    needs_keys = False
     needs_attention = True
 
     def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int, *,
@@ -108,6 +114,7 @@ class SnapKVPress(KVPress):
     ranked by recency, after every prompt block."""
 
     name = "snapkv"
+    needs_keys = False
     needs_attention = True
 
     def __init__(self, window: int = 16) -> None:
