@@ -79,6 +79,12 @@ class LLM:
         """How many tokens of K/V fit in the pool, across all requests."""
         return self.engine.kv_capacity_tokens
 
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one token of K/V takes in the pool, every layer, scales included (a KIVI cache's
+        residual window is a fixed cost on top, see ``PagedKVPool.residual_bytes``)."""
+        return self.engine.core.kv_spec.bytes_per_token
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with."""
         return self.tokenizer

@@ -233,7 +233,7 @@ def quantized_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, fmt_name: str
     return views, floats
 
 
-@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8", "int4_per_token"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantized_decode_and_prefill_match_the_dequantizing_reference(fmt_name: str, dtype: torch.dtype) -> None:
     lens, q_lens = [1, 17, 40, 9], [1, 17, 5, 9]
@@ -251,6 +251,63 @@ def test_quantized_decode_and_prefill_match_the_dequantizing_reference(fmt_name:
     got = paged_prefill_attention_triton(qp, kq, vq, tables, starts, context, 0.2, 24)
     want = paged_prefill_attention_torch(qp.float(), kf, vf, tables, starts, context, 0.2, 24)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+class _NoPlan:
+    step_plan = None
+
+
+def kivi_caches(lens: list[int], dtype: torch.dtype, seed: int):
+    """A KIVI pool (int4, K per channel per block, V per token) whose sequences' partly filled last blocks
+    sit in residual slots: the kernels' views and tables, and float caches and tables holding exactly what
+    they stand for (full blocks dequantized, residual rows as they are)."""
+    from minipd.kv.quant import FORMATS
+    from minipd.kv.residual import WindowedLayerCache
+
+    fmt, bs = FORMATS["int4"], 16
+    k_cache, v_cache, tables, context = make_pool(lens, 2, 32, bs, torch.float32, seed=seed)
+    num_blocks = k_cache.shape[0]
+    residual = [torch.randn((len(lens), bs, 2, 32), generator=torch.Generator().manual_seed(seed + i)).to(dtype)
+                for i in range(2)]
+    views, floats = [], []
+    window_tables = tables.clone()
+    for i, n in enumerate(lens):
+        if n % bs:  # the last block is filling: its rows live in residual slot i
+            window_tables[i, n // bs] = num_blocks + i
+    for which, (cache, per_channel) in enumerate(((k_cache, True), (v_cache, False))):
+        blocks = cache.to(torch.float32)
+        codes, scales = fmt.quantize_channels(blocks) if per_channel else fmt.quantize(blocks)
+        view = WindowedLayerCache(codes, scales, residual[which].to(DEVICE), fmt, dtype, per_channel, _NoPlan())
+        values = view.decode_blocks(codes, scales).float()
+        for i, n in enumerate(lens):
+            if n % bs:
+                values[tables[i, n // bs]] = residual[which][i].float()
+        views.append(view)
+        floats.append(values)
+    return views, floats, window_tables, tables, context
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_decode_and_prefill_match_the_dequantizing_reference(dtype: torch.dtype) -> None:
+    lens, q_lens = [1, 17, 40, 9, 32], [1, 17, 5, 9, 3]
+    (kq, vq), (kf, vf), window_tables, tables, context = kivi_caches(lens, dtype, seed=21)
+    atol, rtol = ATTN_TOL[dtype]
+    q = randn(len(lens), 8, 32, dtype=dtype, seed=22)
+    want = paged_decode_attention_torch(q.float(), kf, vf, tables, context, 0.2, None)
+    for kernel in (paged_decode_attention_triton, paged_decode_attention_torch):
+        got = kernel(q, kq, vq, window_tables, context, 0.2, None)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    qp = randn(sum(q_lens), 8, 32, dtype=dtype, seed=23)
+    want = paged_prefill_attention_torch(qp.float(), kf, vf, tables, starts, context, 0.2, 24)
+    for kernel in (paged_prefill_attention_triton, paged_prefill_attention_torch):
+        got = kernel(qp, kq, vq, window_tables, starts, context, 0.2, 24)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    # The residual rows really are read: spoil them and the answer moves.
+    kq.residual.add_(1.0)
+    moved = paged_decode_attention_triton(q, kq, vq, window_tables, context, 0.2, None)
+    assert not torch.allclose(moved.float(), paged_decode_attention_torch(q.float(), kf, vf, tables, context, 0.2,
+                                                                         None), atol=atol, rtol=rtol)
 
 
 def test_an_engine_on_triton_kernels_with_an_int8_cache_matches_the_torch_one() -> None:

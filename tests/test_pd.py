@@ -326,6 +326,26 @@ def test_a_quantized_pool_moves_its_codes_and_scales(llm, transport):
         wait_until_blocks_free(pd)
 
 
+def test_a_kivi_pool_moves_its_codes_and_the_filling_block_crosses_as_codes(llm):
+    """int4 (KIVI) over PD: full blocks are bit-exact codes; the prompt's partly filled last block travels
+    as its sealed codes (its residual rows stay behind), so the decode worker goes on from int4 values
+    of those few tokens where one engine kept them exact: greedy tokens agree closely, not exactly."""
+    prompts, _ = mixed(llm, 6)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    single = LLM("tiny-py", kv_cache_dtype="int4")
+    expected = [o.token_ids for o in single.generate(prompts, params)]
+    per_block = single.engine.core.kv_spec.bytes_per_block
+    with DisaggregatedLLM("tiny-py", kv_cache_dtype="int4", kv_transport="torch", kv_lease_s=20,
+                          start_timeout=120) as pd:
+        outputs = pd.generate(prompts, params)
+        wait_until_blocks_free(pd)
+    got = [o.token_ids for o in outputs]
+    same = [a == b for x, y in zip(got, expected, strict=True) for a, b in zip(x, y, strict=True)]
+    assert sum(same) / len(same) > 0.8 and all(x[0] == y[0] for x, y in zip(got, expected, strict=True))
+    moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+    assert moved and all(o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block for o in moved)
+
+
 def test_logprobs_come_back_from_both_workers(llm):
     """Prompt log-probabilities and the first token's come from the prefill worker, the rest from the
     decode worker; together they are one engine's."""

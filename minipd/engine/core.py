@@ -87,22 +87,29 @@ class EngineCore:
         #: Blocks dropped by the press so far (token eviction).
         self.num_evicted_blocks = 0
 
+    @property
+    def num_residual_slots(self) -> int:
+        """Full-precision blocks a KIVI pool keeps for filling blocks: one per running sequence, and as many
+        again for steps that fill one block and start the next."""
+        return 2 * self.config.max_num_seqs if self.kv_spec.has_residual_window else 0
+
     def _default_num_blocks(self) -> int:
         cfg = self.config
+        window = PagedKVPool.residual_bytes(self.kv_spec, self.num_residual_slots, self.dtype)
         if cfg.kv_cache_memory is not None:
-            return self.kv_spec.blocks_for_budget(cfg.kv_cache_memory)
+            return self.kv_spec.blocks_for_budget(max(0, cfg.kv_cache_memory - window))
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free // 2
+            budget = free // 2 - window
         else:
-            budget = CPU_KV_MEMORY
+            budget = CPU_KV_MEMORY - window
         # More than every running sequence at full length can use would only waste memory.
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         return min(self.kv_spec.blocks_for_budget(budget), useful)
 
     def _allocate_pool(self, num_blocks: int) -> PagedKVPool:
         try:
-            return PagedKVPool(self.kv_spec, num_blocks, self.device)
+            return PagedKVPool(self.kv_spec, num_blocks, self.device, self.num_residual_slots, self.dtype)
         except (RuntimeError, MemoryError) as err:  # torch reports a failed allocation as RuntimeError
             field = "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory"
             need = num_blocks * self.kv_spec.bytes_per_block
@@ -246,7 +253,11 @@ class EngineCore:
             raise ValueError(f"request {request_id!r} dropped blocks (token eviction): its K/V no longer "
                              "line up with its tokens")
         blocks = -(-num_tokens // self.config.block_size)
-        return self.pool.export_blocks(request.blocks.block_table[:blocks], num_tokens)
+        packed = self.pool.export_blocks(request.blocks.block_table[:blocks], num_tokens)
+        filled = num_tokens % self.config.block_size
+        if self.runner.residual is not None and filled:  # a KIVI tail: its exact rows, not just its codes
+            packed.tail = self.runner.residual.rows_of(request, request.blocks.block_table[blocks - 1], filled)
+        return packed
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished ``hold_kv`` request kept; False if it holds none."""
@@ -370,7 +381,10 @@ class EngineCore:
         arrived = False
         for request_id in [r for r in self._imports if r in self.scheduler.waiting_for_kv]:
             kv = self._imports[request_id]
-            self.pool.import_blocks(self.scheduler.waiting_for_kv[request_id].blocks.block_table[:kv.num_blocks], kv)
+            waiting = self.scheduler.waiting_for_kv[request_id]
+            self.pool.import_blocks(waiting.blocks.block_table[:kv.num_blocks], kv)
+            if kv.tail is not None and self.runner.residual is not None:
+                self.runner.residual.adopt(waiting, waiting.blocks.block_table[kv.num_blocks - 1], kv.tail)
             del self._imports[request_id]
             self.scheduler.kv_arrived(request_id)
             arrived = True

@@ -23,6 +23,7 @@ from minipd.engine.scheduler import ScheduledBatch
 from minipd.kernels.backend import KernelBackend
 from minipd.kv.paged_cache import PagedAttentionMetadata, PagedKVCache
 from minipd.kv.paged_pool import PagedKVPool
+from minipd.kv.residual import ResidualWindow
 from minipd.layers.sampler import sample_next_tokens
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
@@ -105,6 +106,8 @@ class ModelRunner:
         #: Called as ``attention_observer(batch, layer, q, k_cache, scale)`` before each layer attends
         #: (token eviction by received attention).
         self.attention_observer: Callable[..., None] | None = None
+        #: A KIVI cache's filling blocks, kept in full precision (None for every other format).
+        self.residual = ResidualWindow(pool) if pool.spec.has_residual_window else None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
                                                       list[Request], list[int]]:
@@ -128,6 +131,9 @@ class ModelRunner:
         to_sample: list[Request] = []
         rows: list[int] = []
         decode_lens: list[int] = []
+        window = self.residual
+        if window is not None:
+            window.begin_step()
         for i, (r, _) in enumerate(decodes):
             p = r.num_computed_tokens
             # A token's cache index is its position less the tokens evicted before it.
@@ -135,8 +141,13 @@ class ModelRunner:
             table = r.blocks.block_table
             ids[i] = r.all_token_ids[p]
             pos[i] = p
-            slots[i] = table[c // bs] * bs + c % bs
             decode_tables[i, :len(table)] = table
+            if window is None:
+                slots[i] = table[c // bs] * bs + c % bs
+            else:
+                slots[i:i + 1], tail = window.place(r, table, c, 1, i)
+                if tail is not None:
+                    decode_tables[i, tail[0]] = tail[1]
             decode_lens.append(c + 1)
             if p + 1 == r.num_tokens:
                 to_sample.append(r)
@@ -151,9 +162,14 @@ class ModelRunner:
             table = r.blocks.block_table
             ids[offset:offset + n] = r.all_token_ids[p:p + n]
             pos[offset:offset + n] = np.arange(p, p + n)
-            cache_index = np.arange(c, c + n)
-            slots[offset:offset + n] = np.asarray(table)[cache_index // bs] * bs + cache_index % bs
             prefill_tables[j, :len(table)] = table
+            if window is None:
+                cache_index = np.arange(c, c + n)
+                slots[offset:offset + n] = np.asarray(table)[cache_index // bs] * bs + cache_index % bs
+            else:
+                slots[offset:offset + n], tail = window.place(r, table, c, n, offset)
+                if tail is not None:
+                    prefill_tables[j, tail[0]] = tail[1]
             offset += n
             query_start.append(query_start[-1] + n)
             prefill_lens.append(c + n)
@@ -178,6 +194,8 @@ class ModelRunner:
             prefill_context_lens_host=prefill_lens,
         )
         input_ids, positions = dev(b.input_ids[:offset]), dev(b.positions[:offset])
+        if window is not None:
+            window.plan()
         b.mark_copied()
         return input_ids, positions, metadata, to_sample, rows
 
@@ -185,11 +203,15 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Compute the batch's tokens into the cache; return the requests that got a new token, the tokens,
         and the log-probabilities asked for."""
-        input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
-        hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
-        observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
-        context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook, observer), self.kernels)
-        hidden = self.model(input_ids, positions, context)
+        try:
+            input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
+            hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
+            observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
+            context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook, observer), self.kernels)
+            hidden = self.model(input_ids, positions, context)
+        finally:
+            if self.residual is not None:
+                self.residual.end_step()
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not to_sample:
             return StepResult([], [], [], prompt_logprobs)

@@ -73,8 +73,11 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
             packed = engine.core.export_kv(request.request_id, num_kv)
             for layer, kv in enumerate(packed.layers):
                 tensors[f"{index}.{layer}"] = kv.contiguous().cpu()
-            for layer, scales in enumerate(packed.scales or ()):  # a quantized cache's codes need their scales
-                tensors[f"{index}.{layer}.scales"] = scales.contiguous().cpu()
+            for layer, (k_scales, v_scales) in enumerate(packed.scales or ()):  # codes need their scales
+                tensors[f"{index}.{layer}.k_scales"] = k_scales.contiguous().cpu()
+                tensors[f"{index}.{layer}.v_scales"] = v_scales.contiguous().cpu()
+            if packed.tail is not None:  # a KIVI tail, exactly as its residual window holds it
+                tensors[f"{index}.tail"] = packed.tail.contiguous().cpu()
         entries.append({
             "index": index, "request_id": state.request_id, "prompt": state.prompt,
             "all_token_ids": list(request.all_token_ids), "num_prompt_tokens": request.num_prompt_tokens,
@@ -205,13 +208,23 @@ def _read_kv(path: Path, manifest: dict[str, Any], spec: KVSpec) -> dict[int, Pa
                                     f"is missing or not {shape} {spec.dtype}")
             layers.append(tensor)
             if spec.is_quantized:
-                scale_shape = (2, blocks, *spec.scale_shape)
-                tensor = tensors.get(f"{entry['index']}.{layer}.scales")
-                if tensor is None or tuple(tensor.shape) != scale_shape or tensor.dtype != spec.scale_dtype:
-                    raise SnapshotError(f"{kv_path}: the K/V scales of request {entry.get('request_id')!r}, layer "
-                                        f"{layer}, are missing or not {scale_shape} {spec.scale_dtype}")
-                scales.append(tensor)
-        packed[entry["index"]] = PackedKV(spec, num_tokens, layers, scales if spec.is_quantized else None)
+                pair = []
+                for name, per_block in (("k_scales", spec.key_scale_shape), ("v_scales", spec.scale_shape)):
+                    tensor = tensors.get(f"{entry['index']}.{layer}.{name}")
+                    expected = (blocks, *per_block)
+                    if tensor is None or tuple(tensor.shape) != expected or tensor.dtype != spec.scale_dtype:
+                        raise SnapshotError(f"{kv_path}: the {name[0].upper()} scales of request "
+                                            f"{entry.get('request_id')!r}, layer {layer}, are missing or not "
+                                            f"{expected} {spec.scale_dtype}")
+                    pair.append(tensor)
+                scales.append((pair[0], pair[1]))
+        tail = tensors.get(f"{entry['index']}.tail")
+        filled = num_tokens % spec.block_size
+        if tail is not None and tuple(tail.shape) != (2, spec.num_layers, filled, spec.num_kv_heads, spec.head_dim):
+            raise SnapshotError(f"{kv_path}: the residual rows of request {entry.get('request_id')!r} are "
+                                f"{tuple(tail.shape)}, not (2, {spec.num_layers}, {filled}, {spec.num_kv_heads}, "
+                                f"{spec.head_dim})")
+        packed[entry["index"]] = PackedKV(spec, num_tokens, layers, scales if spec.is_quantized else None, tail)
     return packed
 
 

@@ -13,8 +13,9 @@ whenever a later tile raises the maximum. Accumulation is in fp32 whatever the c
 - :func:`paged_prefill_attention_triton`: one program per (sequence, tile of queries, query head),
   causal, every sequence's chunk in the same launch.
 
-Both read quantized caches (``kv_cache_dtype="int8"``, ``"fp8"`` or ``"int4"``) too, dequantizing
-each tile in registers as it is loaded, so the memory traffic is the codes and their scales.
+Both read quantized caches (``kv_cache_dtype="int8"``, ``"fp8"``, ``"int4_per_token"`` or KIVI's ``"int4"``)
+too, dequantizing each tile in registers as it is loaded, so the memory traffic is the codes and their
+scales; KIVI's filling blocks come from its residual window, in full precision.
 
 On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this module and the same
 kernels run, slowly, in the Triton interpreter on CPU tensors.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,34 +43,51 @@ _LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, scale_ptr, table_ptr, pos, in_range, kv_head,
-                  stride_block, stride_off, stride_head, stride_s_block, stride_s_off, stride_s_head,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _load_kv_tile(cache_ptr, scale_ptr, residual_ptr, table_ptr, pos, in_range, kv_head, num_blocks,
+                  stride_block, stride_off, stride_head, stride_s_block, stride_s_a, stride_s_b,
+                  stride_r_slot, stride_r_off, stride_r_head,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
     """Gather rows ``pos`` (TILE_N,) of one sequence's K or V for one KV head: (TILE_N, HEAD_DIM).
 
     Position ``p`` lives in slot ``p % BLOCK_SIZE`` of physical block ``table[p // BLOCK_SIZE]``.
     Rows outside ``in_range`` read neither the table nor the pool and come back as zeros. A quantized
-    cache (``QUANT`` 1: int8 codes, 2: fp8 e4m3 stored as bytes, 3: int4 nibbles two to a byte) is
-    dequantized here, in registers: each row's codes times its scale (one per token and KV head),
-    so only the codes cross memory.
+    cache (``QUANT`` 1: int8 codes, 2: fp8 e4m3 stored as bytes, 3: int4 nibbles two to a byte,
+    4: KIVI int4) is dequantized here, in registers, so only the codes cross memory. A row's scale is
+    one per token and KV head (scales at ``block * s_block + slot * s_a + head * s_b``), or with
+    ``PER_CHANNEL`` one per dimension for the whole block (``block * s_block + head * s_a + dim * s_b``).
+    With KIVI, block ids from ``num_blocks`` on name residual slots, read in full precision.
     """
     block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     slot = pos % BLOCK_SIZE
+    from_codes = in_range
+    if QUANT == 4:
+        from_codes = in_range & (block < num_blocks)
     row = block * stride_block + slot * stride_off + kv_head * stride_head
     dims = tl.arange(0, HEAD_DIM)
-    if QUANT == 3:
+    if QUANT >= 3:
         # Dimension d is in byte d // 2: its low nibble for even d, high for odd; stored as code + 8.
-        packed = tl.load(cache_ptr + row[:, None] + (dims // 2)[None, :], mask=in_range[:, None], other=0)
+        packed = tl.load(cache_ptr + row[:, None] + (dims // 2)[None, :], mask=from_codes[:, None], other=0x88)
         tile = ((packed >> ((dims % 2) * 4)[None, :]) & 15).to(tl.int32) - 8
     else:
-        tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=in_range[:, None], other=0)
+        tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=from_codes[:, None], other=0)
     if QUANT == 0:
         return tile
-    scale = tl.load(scale_ptr + block * stride_s_block + slot * stride_s_off + kv_head * stride_s_head,
-                    mask=in_range, other=0.0).to(tl.float32)
+    if PER_CHANNEL:
+        scale = tl.load(scale_ptr + (block * stride_s_block + kv_head * stride_s_a)[:, None]
+                        + dims[None, :] * stride_s_b, mask=from_codes[:, None], other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr + block * stride_s_block + slot * stride_s_a + kv_head * stride_s_b,
+                        mask=from_codes, other=0.0).to(tl.float32)[:, None]
     if QUANT == 2:
         tile = tile.to(tl.float8e4nv, bitcast=True)
-    return (tile.to(tl.float32) * scale[:, None]).to(OUT_DTYPE)
+    values = tile.to(tl.float32) * scale
+    if QUANT == 4:
+        in_window = in_range & (block >= num_blocks)
+        window_row = (block - num_blocks) * stride_r_slot + slot * stride_r_off + kv_head * stride_r_head
+        exact = tl.load(residual_ptr + window_row[:, None] + dims[None, :], mask=in_window[:, None], other=0.0)
+        values = tl.where(in_window[:, None], exact.to(tl.float32), values)
+    return values.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -92,10 +111,11 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, PRECISION:
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
-    scale_log2, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_residual_ptr, v_residual_ptr, out_ptr,
+    block_tables_ptr, context_lens_ptr, scale_log2, window, num_blocks,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
-    stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head, stride_bt_seq,
+    stride_c_block, stride_c_off, stride_c_head, stride_ks_block, stride_ks_a, stride_ks_b,
+    stride_vs_block, stride_vs_a, stride_vs_b, stride_r_slot, stride_r_off, stride_r_head, stride_bt_seq,
     GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -123,12 +143,12 @@ def _paged_decode_kernel(
     for start in range((first // TILE_N) * TILE_N, context, TILE_N):
         pos = start + offs_n
         in_range = (pos >= first) & (pos < context)
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
-                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
-                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_residual_ptr, table_ptr, pos, in_range, kv_head, num_blocks,
+                          stride_c_block, stride_c_off, stride_c_head, stride_ks_block, stride_ks_a, stride_ks_b,
+                          stride_r_slot, stride_r_off, stride_r_head, BLOCK_SIZE, HEAD_DIM, QUANT, QUANT == 4, q.dtype)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_residual_ptr, table_ptr, pos, in_range, kv_head, num_blocks,
+                          stride_c_block, stride_c_off, stride_c_head, stride_vs_block, stride_vs_a, stride_vs_b,
+                          stride_r_slot, stride_r_off, stride_r_head, BLOCK_SIZE, HEAD_DIM, QUANT, False, q.dtype)
         allowed = row_ok[:, None] & in_range[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, PRECISION)
 
@@ -139,10 +159,11 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-    context_lens_ptr, scale_log2, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_residual_ptr, v_residual_ptr, out_ptr,
+    block_tables_ptr, query_start_loc_ptr, context_lens_ptr, scale_log2, window, num_blocks,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-    stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head, stride_bt_seq,
+    stride_c_block, stride_c_off, stride_c_head, stride_ks_block, stride_ks_a, stride_ks_b,
+    stride_vs_block, stride_vs_a, stride_vs_b, stride_r_slot, stride_r_off, stride_r_head, stride_bt_seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -178,12 +199,12 @@ def _paged_prefill_kernel(
     for start in range((first // TILE_N) * TILE_N, end, TILE_N):
         pos = start + offs_n
         in_range = (pos >= first) & (pos < end)
-        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
-                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
-        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, table_ptr, pos, in_range, kv_head,
-                          stride_c_block, stride_c_off, stride_c_head, stride_s_block, stride_s_off, stride_s_head,
-                          BLOCK_SIZE, HEAD_DIM, QUANT, q.dtype)
+        k = _load_kv_tile(k_cache_ptr, k_scale_ptr, k_residual_ptr, table_ptr, pos, in_range, kv_head, num_blocks,
+                          stride_c_block, stride_c_off, stride_c_head, stride_ks_block, stride_ks_a, stride_ks_b,
+                          stride_r_slot, stride_r_off, stride_r_head, BLOCK_SIZE, HEAD_DIM, QUANT, QUANT == 4, q.dtype)
+        v = _load_kv_tile(v_cache_ptr, v_scale_ptr, v_residual_ptr, table_ptr, pos, in_range, kv_head, num_blocks,
+                          stride_c_block, stride_c_off, stride_c_head, stride_vs_block, stride_vs_a, stride_vs_b,
+                          stride_r_slot, stride_r_off, stride_r_head, BLOCK_SIZE, HEAD_DIM, QUANT, False, q.dtype)
         allowed = row_ok[:, None] & in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -206,7 +227,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     del context_lens_host  # the kernel reads lengths on the device
     batch, q_heads, head_dim = q.shape
-    k_cache, v_cache, k_scale, v_scale, quant = _unpack(q, k_cache, v_cache)
+    src = _unpack(q, k_cache, v_cache)
+    k_cache, v_cache, quant = src.k, src.v, src.quant
     kv_heads = _check_pool(q, k_cache, v_cache, quant)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -215,11 +237,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
     fp32 = q.dtype == torch.float32
     _paged_decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, k_scale, v_scale, out, block_tables, context_lens,
-        scale * _LOG2E, sliding_window or 0,
+        q, k_cache, v_cache, *src.pointers, out, block_tables, context_lens,
+        scale * _LOG2E, sliding_window or 0, src.num_blocks,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
-        k_scale.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *src.strides, block_tables.stride(0),
         GROUP=group, ROWS=max(_MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], TILE_N=32 if fp32 else 64, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if fp32 else None, QUANT=quant,
@@ -241,7 +262,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     the last of its ``context_lens[i]`` tokens, all of whose K/V are already in the pool.
     """
     num_tokens, q_heads, head_dim = q.shape
-    k_cache, v_cache, k_scale, v_scale, quant = _unpack(q, k_cache, v_cache)
+    src = _unpack(q, k_cache, v_cache)
+    k_cache, v_cache, quant = src.k, src.v, src.quant
     kv_heads = _check_pool(q, k_cache, v_cache, quant)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = context_lens.shape[0]
@@ -260,11 +282,10 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     block_m = 32 if fp32 else 64
     q, block_tables = last_dim_contiguous(q), last_dim_contiguous(block_tables)
     _paged_prefill_kernel[(batch, triton.cdiv(longest, block_m), q_heads)](
-        q, k_cache, v_cache, k_scale, v_scale, out, block_tables, query_start_loc, context_lens,
-        scale * _LOG2E, sliding_window or 0,
+        q, k_cache, v_cache, *src.pointers, out, block_tables, query_start_loc, context_lens,
+        scale * _LOG2E, sliding_window or 0, src.num_blocks,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale.stride(0), k_scale.stride(1),
-        k_scale.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *src.strides, block_tables.stride(0),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
         TILE_N=32 if fp32 else 64, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if fp32 else None, QUANT=quant,
@@ -274,19 +295,43 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 #: The kernels' ``QUANT`` code for each quantized format (0: a plain floating-point cache).
-_QUANT_CODES = {"int8": 1, "fp8": 2, "int4": 3}
+_QUANT_CODES = {"int8": 1, "fp8": 2, "int4_per_token": 3, "int4": 4}
 
 
-def _unpack(q: torch.Tensor, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The code (or value) tensors, their scales (the value tensors again, unread, for a plain cache) and
-    the ``QUANT`` code, for caches given as tensors or as :class:`~minipd.kv.quant.QuantizedLayerCache`."""
+class _Sources(NamedTuple):
+    """What the kernels read: values or codes, their scales, the residual window, and their strides."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    quant: int
+    #: K scales, V scales, K residual, V residual (stand-ins that are never read when there are none).
+    pointers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    #: K scales' (block, a, b), V scales' (block, a, b), the residual's (slot, offset, head).
+    strides: tuple[int, ...]
+    #: Block ids from here on name residual slots (KIVI only).
+    num_blocks: int
+
+
+def _unpack(q: torch.Tensor, k_cache, v_cache) -> _Sources:
+    """The tensors behind caches given as tensors, :class:`~minipd.kv.quant.QuantizedLayerCache` or
+    :class:`~minipd.kv.residual.WindowedLayerCache`."""
     if not hasattr(k_cache, "codes"):
-        return k_cache, v_cache, k_cache, v_cache, 0
+        return _Sources(k_cache, v_cache, 0, (k_cache, v_cache, k_cache, v_cache), (0,) * 9, 2**31 - 1)
     if k_cache.fmt.name not in _QUANT_CODES:
         raise ValueError(f"no Triton kernel reads kv_cache_dtype={k_cache.fmt.name!r}")
     if k_cache.dtype != q.dtype:
         raise ValueError(f"q is {q.dtype} but the cache dequantizes to {k_cache.dtype}")
-    return k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales, _QUANT_CODES[k_cache.fmt.name]
+    k_scales, v_scales = k_cache.scales, v_cache.scales
+    strides = (*k_scales.stride()[:3], *v_scales.stride()[:3])
+    if hasattr(k_cache, "residual"):
+        residual_k, residual_v = k_cache.residual, v_cache.residual
+        if residual_k.dtype != q.dtype:
+            raise ValueError(f"q is {q.dtype} but the residual window holds {residual_k.dtype}")
+        return _Sources(k_cache.codes, v_cache.codes, _QUANT_CODES[k_cache.fmt.name],
+                        (k_scales, v_scales, residual_k, residual_v), (*strides, *residual_k.stride()[:3]),
+                        k_cache.num_blocks)
+    return _Sources(k_cache.codes, v_cache.codes, _QUANT_CODES[k_cache.fmt.name],
+                    (k_scales, v_scales, k_scales, v_scales), (*strides, 0, 0, 0), 2**31 - 1)
 
 
 def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, quant: int = 0) -> int:
@@ -295,7 +340,7 @@ def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must both be (num_blocks, block_size, kv_heads, head_dim), same layout")
     block_size, kv_heads, cache_dim = k_cache.shape[1:]
-    if cache_dim * (2 if quant == 3 else 1) != head_dim or k_cache.stride(-1) != 1:
+    if cache_dim * (2 if quant >= 3 else 1) != head_dim or k_cache.stride(-1) != 1:
         raise ValueError(f"cache rows must be contiguous and of size head_dim={head_dim}")
     if q_heads % kv_heads:
         raise ValueError(f"{q_heads} query heads cannot be split evenly over {kv_heads} KV heads")

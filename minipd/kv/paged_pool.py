@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minipd.kv.quant import FORMATS, QuantizedLayerCache
+from minipd.kv.residual import ResidualPlan, WindowedLayerCache
 from minipd.kv.spec import KVSpec
 
 
@@ -21,15 +22,19 @@ from minipd.kv.spec import KVSpec
 class PackedKV:
     """Blocks taken out of a pool: for each layer, K and V of the blocks as one tensor.
 
-    ``layers[i]`` is ``(2, num_blocks, block_size, kv_heads, head_dim)`` (K then V), and
-    ``scales[i]`` the matching ``(2, num_blocks, *scale_shape)`` for quantized specs.
+    ``layers[i]`` is ``(2, num_blocks, block_size, kv_heads, head_dim)`` (K then V), and for quantized
+    specs ``scales[i]`` the matching K and V scales, ``(num_blocks, *spec.key_scale_shape)`` and
+    ``(num_blocks, *spec.scale_shape)``.
     ``num_tokens`` says how many leading token slots hold K/V (the last block may be partial).
     """
 
     spec: KVSpec
     num_tokens: int
     layers: list[torch.Tensor]
-    scales: list[torch.Tensor] | None = None
+    scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: A KIVI pool's partly filled last block as its residual window holds it, in full precision:
+    #: ``(2, num_layers, filled, kv_heads, head_dim)``. None when there is none (or it travels as codes only).
+    tail: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -38,14 +43,21 @@ class PackedKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of values and scales."""
-        return sum(t.nbytes for t in self.layers) + sum(t.nbytes for t in self.scales or ())
+        """Bytes of values, scales and tail."""
+        tail = 0 if self.tail is None else self.tail.nbytes
+        return sum(t.nbytes for t in self.layers) + sum(k.nbytes + v.nbytes for k, v in self.scales or ()) + tail
 
 
 class PagedKVPool:
-    """K and V for every layer, shaped (num_layers, num_blocks, block_size, kv_heads, head_dim)."""
+    """K and V for every layer, shaped (num_layers, num_blocks, block_size, kv_heads, head_dim).
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str) -> None:
+    A KIVI pool (``spec.has_residual_window``) also keeps ``residual_slots`` full-precision blocks of
+    ``residual_dtype`` for sequences' filling blocks (:mod:`minipd.kv.residual`); they are local to
+    this pool and never leave it.
+    """
+
+    def __init__(self, spec: KVSpec, num_blocks: int, device: torch.device | str, residual_slots: int = 0,
+                 residual_dtype: torch.dtype = torch.float32) -> None:
         shape = (spec.num_layers, num_blocks, *spec.block_shape)
         self.spec = spec
         zero = FORMATS[spec.quant].zero if spec.quant else 0  # what decodes to 0.0
@@ -53,11 +65,26 @@ class PagedKVPool:
         self.v = torch.full(shape, zero, dtype=spec.dtype, device=device)
         self.k_scale = self.v_scale = None
         if spec.scale_dtype is not None:
-            scale_shape = (spec.num_layers, num_blocks, *spec.scale_shape)
-            self.k_scale = torch.ones(scale_shape, dtype=spec.scale_dtype, device=device)
-            self.v_scale = torch.ones(scale_shape, dtype=spec.scale_dtype, device=device)
+            self.k_scale = torch.ones((spec.num_layers, num_blocks, *spec.key_scale_shape), dtype=spec.scale_dtype,
+                                      device=device)
+            self.v_scale = torch.ones((spec.num_layers, num_blocks, *spec.scale_shape), dtype=spec.scale_dtype,
+                                      device=device)
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
+        self.num_residual_slots = residual_slots if spec.has_residual_window else 0
+        window = (spec.num_layers, self.num_residual_slots, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.residual_k = torch.zeros(window, dtype=residual_dtype, device=device)
+        self.residual_v = torch.zeros(window, dtype=residual_dtype, device=device)
+        #: The current step's writes into a windowed cache (set by the model runner's ResidualWindow).
+        self.step_plan: ResidualPlan | None = None
+
+    @staticmethod
+    def residual_bytes(spec: KVSpec, residual_slots: int, residual_dtype: torch.dtype) -> int:
+        """Bytes a pool of ``spec`` spends on ``residual_slots`` slots of residual window (0 without one)."""
+        if not spec.has_residual_window:
+            return 0
+        element = torch.empty((), dtype=residual_dtype).element_size()
+        return 2 * spec.num_layers * residual_slots * spec.block_size * spec.num_kv_heads * spec.head_dim * element
 
     def layer(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V caches as the kernels take them: the tensors themselves, or, for a
@@ -65,8 +92,20 @@ class PagedKVPool:
         if self.spec.quant is None:
             return self.k[layer], self.v[layer]
         fmt = FORMATS[self.spec.quant]
-        return (QuantizedLayerCache(self.k[layer], self.k_scale[layer], fmt, dtype),  # type: ignore[index]
-                QuantizedLayerCache(self.v[layer], self.v_scale[layer], fmt, dtype))  # type: ignore[index]
+        k_scale, v_scale = self.k_scale[layer], self.v_scale[layer]  # type: ignore[index]
+        if self.spec.has_residual_window:
+            return (WindowedLayerCache(self.k[layer], k_scale, self.residual_k[layer], fmt, dtype, True, self),
+                    WindowedLayerCache(self.v[layer], v_scale, self.residual_v[layer], fmt, dtype, False, self))
+        return QuantizedLayerCache(self.k[layer], k_scale, fmt, dtype), QuantizedLayerCache(self.v[layer], v_scale,
+                                                                                             fmt, dtype)
+
+    def thaw(self, slot: int, block_id: int, filled: int) -> None:
+        """Fill residual ``slot`` with the first ``filled`` tokens of ``block_id``, decoded from its codes."""
+        for layer in range(self.spec.num_layers):
+            for cache, residual in zip(self.layer(layer, self.residual_k.dtype), (self.residual_k, self.residual_v),
+                                       strict=True):
+                values = cache.decode_blocks(cache.codes[block_id], cache.scales[block_id])  # type: ignore[union-attr]
+                residual[layer, slot, :filled] = values[:filled]
 
     def keys(self, block_ids: torch.Tensor) -> torch.Tensor:
         """The keys of ``block_ids`` in every layer, as floats: ``(blocks, layers, block_size, heads, dim)``."""
@@ -86,9 +125,9 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes taken by K and V (and their scales) together."""
+        """Bytes taken by K and V (and their scales and residual window) together."""
         scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes  # type: ignore[union-attr]
-        return self.k.nbytes + self.v.nbytes + scales
+        return self.k.nbytes + self.v.nbytes + scales + self.residual_k.nbytes + self.residual_v.nbytes
 
     def export_blocks(self, block_ids: Sequence[int], num_tokens: int) -> PackedKV:
         """Copy ``block_ids`` out, one packed ``(2, n, block_size, heads, dim)`` tensor per layer."""
@@ -96,7 +135,7 @@ class PagedKVPool:
         layers = [torch.stack((self.k[layer, index], self.v[layer, index])) for layer in range(self.spec.num_layers)]
         scales = None
         if self.k_scale is not None:
-            scales = [torch.stack((self.k_scale[layer, index], self.v_scale[layer, index]))  # type: ignore[index]
+            scales = [(self.k_scale[layer, index], self.v_scale[layer, index])  # type: ignore[index]
                       for layer in range(self.spec.num_layers)]
         return PackedKV(self.spec, num_tokens, layers, scales)
 
@@ -112,6 +151,6 @@ class PagedKVPool:
             self.k[layer, index] = kv[0].to(self.k.device)
             self.v[layer, index] = kv[1].to(self.v.device)
         if self.k_scale is not None and packed.scales is not None:
-            for layer, sc in enumerate(packed.scales):
-                self.k_scale[layer, index] = sc[0].to(self.k_scale.device)
-                self.v_scale[layer, index] = sc[1].to(self.v_scale.device)  # type: ignore[index]
+            for layer, (k_scales, v_scales) in enumerate(packed.scales):
+                self.k_scale[layer, index] = k_scales.to(self.k_scale.device)
+                self.v_scale[layer, index] = v_scales.to(self.v_scale.device)  # type: ignore[index]

@@ -32,7 +32,8 @@ class KVSpec:
 
     ``scale_shape``/``scale_dtype`` describe per-block scale tensors for quantized formats
     (empty/None for plain floating-point caches); they are allocated beside the values with shape
-    ``(num_blocks, *scale_shape)`` per layer for K and for V. ``quant`` names the code format
+    ``(num_blocks, *scale_shape)`` per layer for V, and for K too unless ``k_scale_shape`` says
+    otherwise (KIVI's per-channel key scales). ``quant`` names the code format
     (:data:`minipd.kv.quant.FORMATS`), None for floating-point caches.
     """
 
@@ -44,6 +45,7 @@ class KVSpec:
     scale_shape: tuple[int, ...] = ()
     scale_dtype: torch.dtype | None = None
     quant: str | None = None
+    k_scale_shape: tuple[int, ...] | None = None
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVSpec:
@@ -63,10 +65,10 @@ class KVSpec:
         if config.head_dim % FORMATS[kv_cache_dtype].pack:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} packs {FORMATS[kv_cache_dtype].pack} values a byte "
                              f"and needs an even head_dim; this model's is {config.head_dim}")
-        # One fp16 scale per token per KV head, beside the codes.
-        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim,
-                   FORMATS[kv_cache_dtype].storage, (block_size, config.num_key_value_heads), torch.float16,
-                   kv_cache_dtype)
+        fmt, heads = FORMATS[kv_cache_dtype], config.num_key_value_heads
+        # One fp16 scale per token per KV head, beside the codes; KIVI's keys one per channel per block.
+        return cls(config.num_hidden_layers, block_size, heads, config.head_dim, fmt.storage, (block_size, heads),
+                   torch.float16, kv_cache_dtype, (heads, config.head_dim) if fmt.per_channel_keys else None)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -80,11 +82,23 @@ class KVSpec:
         return self.scale_dtype is not None
 
     @property
+    def key_scale_shape(self) -> tuple[int, ...]:
+        """Shape of one block's K scales in one layer."""
+        return self.scale_shape if self.k_scale_shape is None else self.k_scale_shape
+
+    @property
+    def has_residual_window(self) -> bool:
+        """True for KIVI's format: filling blocks wait in full precision (see :mod:`minipd.kv.residual`)."""
+        return self.quant is not None and FORMATS[self.quant].per_channel_keys
+
+    @property
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all layers, K and V, scales included."""
-        values = math.prod(self.block_shape) * _element_size(self.dtype)
-        scales = math.prod(self.scale_shape) * _element_size(self.scale_dtype) if self.scale_dtype else 0
-        return 2 * self.num_layers * (values + scales)
+        values = 2 * math.prod(self.block_shape) * _element_size(self.dtype)
+        scales = 0
+        if self.scale_dtype is not None:
+            scales = (math.prod(self.key_scale_shape) + math.prod(self.scale_shape)) * _element_size(self.scale_dtype)
+        return self.num_layers * (values + scales)
 
     @property
     def bytes_per_token(self) -> float:
@@ -101,7 +115,7 @@ class KVSpec:
                 "head_dim": self.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
                 "scale_shape": list(self.scale_shape),
                 "scale_dtype": None if self.scale_dtype is None else str(self.scale_dtype).removeprefix("torch."),
-                "quant": self.quant}
+                "quant": self.quant, "k_scale_shape": None if self.k_scale_shape is None else list(self.k_scale_shape)}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KVSpec:
@@ -109,7 +123,8 @@ class KVSpec:
         scale = raw.get("scale_dtype")
         return cls(raw["num_layers"], raw["block_size"], raw["num_kv_heads"], raw["head_dim"],
                    getattr(torch, raw["dtype"]), tuple(raw.get("scale_shape", ())),
-                   None if scale is None else getattr(torch, scale), raw.get("quant"))
+                   None if scale is None else getattr(torch, scale), raw.get("quant"),
+                   None if raw.get("k_scale_shape") is None else tuple(raw["k_scale_shape"]))
 
 
 def _element_size(dtype: torch.dtype | None) -> int:
