@@ -30,8 +30,16 @@ class EngineConfig:
         kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
             ``"float16"`` (``"fp16"``) or ``"bfloat16"`` (``"bf16"``) — independent of the model's
-            dtype — or quantized to 8 bits with a scale per token per KV head: ``"int8"`` or ``"fp8"``
-            (e4m3). A quantized pool holds about twice the tokens of an fp16 one in the same memory.
+            dtype — or quantized with scales: ``"int8"`` or ``"fp8"`` (e4m3), a scale per token per KV
+            head; ``"int4_per_token"``; ``"int4"`` (KIVI: K per channel per block, V per token, the
+            filling block in full precision). An 8-bit pool holds about twice the tokens of an fp16 one in
+            the same memory. ``"adaptive"``: the model's dtype while the pool has room, then
+            ``kv_adaptive_format`` for new requests (see :mod:`minipd.kv.adaptive`; needs
+            ``enable_prefix_caching=False``).
+        kv_adaptive_format: the compressed format of ``"adaptive"``: ``"int8"``, ``"fp8"`` or
+            ``"int4_per_token"``.
+        kv_adaptive_thresholds: ``(low, high)`` pool usage: new requests are compressed once usage
+            reaches ``high``, and get full precision again once it falls below ``low``.
         kv_eviction: keep each request's K/V within ``kv_budget`` tokens by dropping whole blocks:
             ``"sink-window"``, ``"knorm"``, ``"h2o"``, ``"snapkv"``, ``"random"`` or a
             :class:`~minipd.kv.press.KVPress`;
@@ -53,6 +61,8 @@ class EngineConfig:
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
     kv_cache_dtype: str = "auto"
+    kv_adaptive_format: str = "int8"
+    kv_adaptive_thresholds: tuple[float, float] = (0.5, 0.7)
     kv_eviction: object = None
     kv_budget: int | None = None
     stats_history: int = 10_000
@@ -82,10 +92,11 @@ class EngineConfig:
         self._check_backend()
         from minipd.kv.spec import KV_CACHE_DTYPES as kv_dtypes
 
-        if self.kv_cache_dtype not in kv_dtypes:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)}, "
-                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in (*kv_dtypes, "adaptive"):
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)} or "
+                             f"'adaptive', got {self.kv_cache_dtype!r}")
         self._check_eviction()
+        self._check_adaptive()
         if not is_integer(self.stats_history) or self.stats_history < 1:
             raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
         if self.snapshot_interval is not None:
@@ -108,6 +119,25 @@ class EngineConfig:
             raise ValueError(f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
                              f"with kv_eviction, got {self.kv_budget!r}")
         self.kv_budget = int(self.kv_budget)
+
+    def _check_adaptive(self) -> None:
+        formats = ("int8", "fp8", "int4_per_token")
+        if self.kv_adaptive_format not in formats:
+            raise ValueError(f"kv_adaptive_format must be one of {', '.join(map(repr, formats))}, "
+                             f"got {self.kv_adaptive_format!r}")
+        thresholds = self.kv_adaptive_thresholds
+        if not (isinstance(thresholds, (tuple, list)) and len(thresholds) == 2 and all(map(is_real, thresholds))
+                and 0 <= thresholds[0] <= thresholds[1] <= 1):
+            raise ValueError(f"kv_adaptive_thresholds must be (low, high) with 0 <= low <= high <= 1, "
+                             f"got {thresholds!r}")
+        self.kv_adaptive_thresholds = (float(thresholds[0]), float(thresholds[1]))
+        if self.kv_cache_dtype != "adaptive":
+            return
+        if self.enable_prefix_caching:
+            raise ValueError("kv_cache_dtype='adaptive' does not share prefix blocks between formats yet: "
+                             "pass enable_prefix_caching=False with it")
+        if self.kv_eviction is not None:
+            raise ValueError("kv_cache_dtype='adaptive' does not combine with kv_eviction")
 
     def _check_policy(self) -> None:
         # Imported here: the scheduler pulls in the KV block manager, which the config has no other need for.

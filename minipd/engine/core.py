@@ -27,6 +27,7 @@ from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishRea
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kernels.backend import get_backend
+from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
@@ -60,14 +61,28 @@ class EngineCore:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.kernels = get_backend(config.kernel_backend, self.device)
-        self.kv_spec = KVSpec.from_name(model.config, config.block_size, config.kv_cache_dtype, self.dtype)
+        adaptive = config.kv_cache_dtype == "adaptive"
+        self.kv_spec = KVSpec.from_name(model.config, config.block_size, "auto" if adaptive else config.kv_cache_dtype,
+                                        self.dtype)
+        #: With ``kv_cache_dtype="adaptive"``: the format new requests get once the pool is busy.
+        self.compressed_spec = KVSpec.from_name(model.config, config.block_size, config.kv_adaptive_format,
+                                                self.dtype) if adaptive else None
         # Kernel constraints are checked now, not at the first generate.
         self.kernels.check(self.kv_spec, self.dtype)
+        if self.compressed_spec is not None:
+            self.kernels.check(self.compressed_spec, self.dtype)
         num_blocks = config.num_kv_blocks or self._default_num_blocks()
         self.pool = self._allocate_pool(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.compressed_spec is not None:
+            low, high = config.kv_adaptive_thresholds
+            self.block_manager: BlockManager | AdaptiveBlockManager = AdaptiveBlockManager(
+                num_blocks, config.block_size, adaptive_ratio(self.kv_spec, self.compressed_spec), low, high)
+        else:
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy)  # type: ignore[arg-type]
+        if self.compressed_spec is not None:
+            self.scheduler.make_room = self._compress_one
         self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
                                   config.max_num_seqs, max_model_len)
         #: Live requests (waiting, running, waiting for K/V, or finished but holding K/V), by id.
@@ -95,20 +110,26 @@ class EngineCore:
 
     def _default_num_blocks(self) -> int:
         cfg = self.config
-        window = PagedKVPool.residual_bytes(self.kv_spec, self.num_residual_slots, self.dtype)
         if cfg.kv_cache_memory is not None:
-            return self.kv_spec.blocks_for_budget(max(0, cfg.kv_cache_memory - window))
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free // 2 - window
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] // 2
         else:
-            budget = CPU_KV_MEMORY - window
+            budget = CPU_KV_MEMORY
+        if self.compressed_spec is not None:  # pages: a full-precision block and its parts' scales each
+            blocks = max(1, budget // AdaptiveKVPool.page_bytes(self.kv_spec, self.compressed_spec))
+        else:
+            window = PagedKVPool.residual_bytes(self.kv_spec, self.num_residual_slots, self.dtype)
+            blocks = self.kv_spec.blocks_for_budget(max(0, budget - window))
+        if cfg.kv_cache_memory is not None:
+            return blocks
         # More than every running sequence at full length can use would only waste memory.
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return min(self.kv_spec.blocks_for_budget(budget), useful)
+        return min(blocks, cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size))
 
     def _allocate_pool(self, num_blocks: int) -> PagedKVPool:
         try:
+            if self.compressed_spec is not None:
+                return AdaptiveKVPool(self.kv_spec, num_blocks, self.device, self.compressed_spec)
             return PagedKVPool(self.kv_spec, num_blocks, self.device, self.num_residual_slots, self.dtype)
         except (RuntimeError, MemoryError) as err:  # torch reports a failed allocation as RuntimeError
             field = "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory"
@@ -252,6 +273,8 @@ class EngineCore:
         if request.blocks.num_dropped_tokens:
             raise ValueError(f"request {request_id!r} dropped blocks (token eviction): its K/V no longer "
                              "line up with its tokens")
+        if self.compressed_spec is not None:
+            raise ValueError("K/V of an adaptive pool (kv_cache_dtype='adaptive') cannot be exported yet")
         blocks = -(-num_tokens // self.config.block_size)
         packed = self.pool.export_blocks(request.blocks.block_table[:blocks], num_tokens)
         filled = num_tokens % self.config.block_size
@@ -345,8 +368,26 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_free=self.block_manager.num_free_blocks,
             prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
-            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv)))
+            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats()))
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
+
+    def _compress_one(self) -> bool:
+        """Compress the running full-precision request holding the most blocks; False if there is none."""
+        candidates = [r for r in self.scheduler.running if r.blocks.compressed is False and r.blocks.block_table]
+        if not candidates:
+            return False
+        request = max(reversed(candidates), key=lambda r: len(r.blocks.block_table))  # ties: the newest
+        pages, parts = self.block_manager.compress(request.blocks)  # type: ignore[union-attr]
+        self.pool.compress_pages(pages, parts)  # type: ignore[attr-defined]
+        return True
+
+    def _adaptive_stats(self) -> dict:
+        bm = self.block_manager
+        if not isinstance(bm, AdaptiveBlockManager):
+            return {}
+        return {"kv_usage": bm.usage, "kv_compressing": bm.compressing, "kv_format_switches": bm.num_switches,
+                "num_compressed_running": sum(1 for r in self.scheduler.running if r.blocks.compressed),
+                "kv_compressions": bm.num_compressions}
 
     def _evict(self, batch: ScheduledBatch) -> None:
         """Drop the lowest-scored full blocks of every request in the step that holds more than its budget."""

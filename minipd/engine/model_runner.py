@@ -142,6 +142,7 @@ class ModelRunner:
             ids[i] = r.all_token_ids[p]
             pos[i] = p
             decode_tables[i, :len(table)] = table
+            decode_tables[i, len(table):] = 0  # padding must be a valid id for every view of the pool
             if window is None:
                 slots[i] = table[c // bs] * bs + c % bs
             else:
@@ -163,6 +164,7 @@ class ModelRunner:
             ids[offset:offset + n] = r.all_token_ids[p:p + n]
             pos[offset:offset + n] = np.arange(p, p + n)
             prefill_tables[j, :len(table)] = table
+            prefill_tables[j, len(table):] = 0
             if window is None:
                 cache_index = np.arange(c, c + n)
                 slots[offset:offset + n] = np.asarray(table)[cache_index // bs] * bs + cache_index % bs
@@ -203,11 +205,19 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Compute the batch's tokens into the cache; return the requests that got a new token, the tokens,
         and the log-probabilities asked for."""
+        adaptive = hasattr(self.pool, "compressed_layer")
+        if adaptive:  # full-precision requests' rows first, then compressed ones (decodes, then prefills, each)
+            batch.entries.sort(key=lambda entry: bool(entry[0].blocks.compressed))
         try:
             input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
             hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
             observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
-            context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook, observer), self.kernels)
+            parts = None
+            if adaptive:
+                full = [n for r, n in batch.entries if not r.blocks.compressed]
+                parts = metadata.split(sum(1 for n in full if n == 1), sum(1 for n in full if n > 1))
+            context = ForwardContext(PagedKVCache(self.pool, metadata, self.kernels, hook, observer, parts),
+                                     self.kernels)
             hidden = self.model(input_ids, positions, context)
         finally:
             if self.residual is not None:

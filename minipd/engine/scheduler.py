@@ -19,6 +19,7 @@ wait in ``waiting_for_kv`` without using the token budget, and resume computing 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minipd.engine.request import FinishReason, Request, RequestStatus
@@ -86,6 +87,9 @@ class Scheduler:
         #: Finished requests whose blocks are kept until released, by id.
         self.holding_kv: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: Tried before preempting when a running request needs a block: True if it freed some (adaptive KV
+        #: precision compresses a full-precision request in place).
+        self.make_room: Callable[[], bool] | None = None
         # Hashes of blocks that this step's work completes: a newcomer whose prefix continues into
         # one of them waits a step and then reuses it, instead of computing the same tokens twice.
         self._completing: set[bytes] = set()
@@ -129,6 +133,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.block_manager.allocate(request.blocks, request.num_computed_tokens + num_new):
+                if self.make_room is not None and self.make_room():
+                    continue  # room made without losing work (adaptive KV precision compressed a request)
                 victim, returned_budget = self._preempt_newest(batch)
                 budget += returned_budget
                 if victim is request:

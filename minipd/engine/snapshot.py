@@ -67,8 +67,9 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
             continue
         core_request = engine.core.requests.get(request.request_id)
         num_kv = 0
-        if core_request is not None and core_request.num_computed_tokens and \
-                not core_request.blocks.num_dropped_tokens and core_request.blocks.block_table:
+        # K/V of evicting or adaptive pools are not saved: those requests are recomputed on resume.
+        if core_request is not None and core_request.num_computed_tokens and engine.core.compressed_spec is None \
+                and not core_request.blocks.num_dropped_tokens and core_request.blocks.block_table:
             num_kv = core_request.num_computed_tokens
             packed = engine.core.export_kv(request.request_id, num_kv)
             for layer, kv in enumerate(packed.layers):

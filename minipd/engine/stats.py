@@ -24,6 +24,14 @@ class StepStats:
     step: int = 0
     #: Requests holding blocks while their K/V arrive from elsewhere.
     num_waiting_for_kv: int = 0
+    #: Adaptive KV precision (``kv_cache_dtype="adaptive"``): the pool's usage (bytes), whether new
+    #: requests are being compressed, how often that has switched so far, running compressed requests,
+    #: and running requests compressed in place to make room so far.
+    kv_usage: float = 0.0
+    kv_compressing: bool = False
+    kv_format_switches: int = 0
+    num_compressed_running: int = 0
+    kv_compressions: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -103,6 +103,8 @@ class BlockAllocation:
     num_dropped_tokens: int = 0
     #: The first token position of every dropped block, in order.
     dropped_positions: list[int] = field(default_factory=list)
+    #: With adaptive KV precision: whether its blocks are compressed (None until it has blocks).
+    compressed: bool | None = None
 
     def block_positions(self, block_size: int) -> list[int]:
         """The first token position of each block in the table (dropped blocks leave gaps)."""

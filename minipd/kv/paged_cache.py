@@ -36,15 +36,53 @@ class PagedAttentionMetadata:
     prefill_context_lens_host: list[int]
 
 
+    def split(self, full_decodes: int, full_prefills: int) -> list[CachePart]:
+        """The step as two parts, full precision then compressed (adaptive KV precision): the first
+        ``full_decodes`` decodes and ``full_prefills`` prefills are full precision, the rest compressed."""
+        num_decode, num_prefill = self.num_decode_tokens, len(self.prefill_context_lens_host)
+        starts = self.prefill_query_start_host
+        parts = []
+        for decodes, prefills, compressed in ((slice(0, full_decodes), slice(0, full_prefills), False),
+                                              (slice(full_decodes, num_decode), slice(full_prefills, num_prefill),
+                                               True)):
+            first, last = starts[prefills.start], starts[prefills.stop]
+            part = PagedAttentionMetadata(
+                num_decode_tokens=decodes.stop - decodes.start,
+                slot_mapping=self.slot_mapping,  # (unused: each part stores by its rows)
+                decode_block_tables=self.decode_block_tables[decodes],
+                decode_context_lens=self.decode_context_lens[decodes],
+                prefill_block_tables=self.prefill_block_tables[prefills],
+                prefill_query_start_loc=self.prefill_query_start_loc[prefills.start:prefills.stop + 1] - first,
+                prefill_context_lens=self.prefill_context_lens[prefills],
+                decode_context_lens_host=self.decode_context_lens_host[decodes],
+                prefill_query_start_host=[q - first for q in starts[prefills.start:prefills.stop + 1]],
+                prefill_context_lens_host=self.prefill_context_lens_host[prefills],
+            )
+            parts.append(CachePart(part, decodes, slice(num_decode + first, num_decode + last), compressed))
+        return parts
+
+
+@dataclass
+class CachePart:
+    """Rows of a step whose K/V are in one format (adaptive KV precision), with their own metadata."""
+
+    metadata: PagedAttentionMetadata
+    decode_rows: slice
+    prefill_rows: slice
+    compressed: bool
+
+
 class PagedKVCache:
     """Implements the model's cache interface over a :class:`PagedKVPool` for one step."""
 
     def __init__(self, pool: PagedKVPool, metadata: PagedAttentionMetadata, kernels: KernelBackend,
                  on_layer_stored: Callable[[int], None] | None = None,
-                 on_attend: Callable[..., None] | None = None) -> None:
+                 on_attend: Callable[..., None] | None = None, parts: list[CachePart] | None = None) -> None:
         self.pool = pool
         self.metadata = metadata
         self.kernels = kernels
+        #: With adaptive KV precision: the step's full-precision and compressed rows (None: one format).
+        self.parts = parts
         #: Called with a layer's index as soon as its K/V for this step are in the pool (a KV connector
         #: sends that layer while the next one computes).
         self.on_layer_stored = on_layer_stored
@@ -54,6 +92,8 @@ class PagedKVCache:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None) -> torch.Tensor:
+        if self.parts is not None:
+            return self._attend_parts(layer_idx, q, k, v, scale, sliding_window)
         md, kernels = self.metadata, self.kernels
         k_cache, v_cache = self.pool.layer(layer_idx, q.dtype)
         kernels.store_kv(k, v, k_cache, v_cache, md.slot_mapping, has_padding=False)
@@ -71,16 +111,39 @@ class PagedKVCache:
         out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, scale, sliding_window)
         return out
 
+    def _attend_parts(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+        """Each part against its own view of the pool: the pages as floats, or as compressed blocks."""
+        out = torch.empty_like(q)
+        slots = self.metadata.slot_mapping
+        for part in self.parts or ():
+            if part.compressed:
+                k_cache, v_cache = self.pool.compressed_layer(layer_idx, q.dtype)  # type: ignore[attr-defined]
+            else:
+                k_cache, v_cache = self.pool.layer(layer_idx, q.dtype)
+            for rows in (part.decode_rows, part.prefill_rows):
+                if rows.stop > rows.start:
+                    self.kernels.store_kv(k[rows], v[rows], k_cache, v_cache, slots[rows], has_padding=False)
+            if part.decode_rows.stop > part.decode_rows.start:
+                out[part.decode_rows] = self._decode(q[part.decode_rows], k_cache, v_cache, scale, sliding_window,
+                                                     part.metadata)
+            if part.prefill_rows.stop > part.prefill_rows.start:
+                out[part.prefill_rows] = self._prefill(q[part.prefill_rows], k_cache, v_cache, scale, sliding_window,
+                                                       part.metadata)
+        if self.on_layer_stored is not None:
+            self.on_layer_stored(layer_idx)
+        return out
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                sliding_window: int | None) -> torch.Tensor:
-        md = self.metadata
+                sliding_window: int | None, metadata: PagedAttentionMetadata | None = None) -> torch.Tensor:
+        md = metadata or self.metadata
         return self.kernels.paged_decode_attention(q, k_cache, v_cache, md.decode_block_tables,
                                                    md.decode_context_lens, scale, sliding_window,
                                                    context_lens_host=md.decode_context_lens_host)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor:
-        md = self.metadata
+                 sliding_window: int | None, metadata: PagedAttentionMetadata | None = None) -> torch.Tensor:
+        md = metadata or self.metadata
         return self.kernels.paged_prefill_attention(q, k_cache, v_cache, md.prefill_block_tables,
                                                     md.prefill_query_start_loc, md.prefill_context_lens, scale,
                                                     sliding_window, query_start_host=md.prefill_query_start_host,

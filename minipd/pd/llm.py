@@ -154,6 +154,9 @@ class DisaggregatedLLM:
         self.kv_transfer = kv_transfer
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
+        if llm_options.get("kv_cache_dtype") == "adaptive":
+            raise ValueError("kv_cache_dtype='adaptive' mixes formats within one pool, which KV transfer does not "
+                             "handle yet; pick one format for disaggregated serving")
         folder = resolve_model(model)
         self.config = ModelConfig.from_pretrained(folder)
         self.tokenizer = Tokenizer(folder)
