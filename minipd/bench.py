@@ -8,7 +8,9 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 - ``shared-prefix``: 32 requests sharing a 256-token prefix: prefill tokens computed and mean TTFT
   with prefix caching on and off;
 - ``pd`` (run on its own): prefill/decode interference, colocated against split workers
-  (:mod:`minipd.bench_pd`).
+  (:mod:`minipd.bench_pd`);
+- ``adaptive`` (run on its own): every KV format in the same memory under growing bursts: preemptions,
+  concurrency and quality (:mod:`minipd.bench_adaptive`).
 
 ``--scale`` shrinks every workload (request counts and lengths) for a quick look.
 """
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print each comparison with its ratio and target."""
     parser = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py")
-    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "all"], default="all",
+    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "adaptive", "all"],
+                        default="all",
                         help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF's continuous batching baseline")
@@ -193,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         from minipd.bench_pd import main as pd_main
 
         return pd_main(args.model, args.scale, args.rounds)
+    if args.workload == "adaptive":
+        from minipd.bench_adaptive import main as adaptive_main
+
+        return adaptive_main(args.model, args.scale)
 
     from transformers import AutoModelForCausalLM
 

@@ -131,8 +131,8 @@ def test_kivi_bytes_count_per_channel_key_scales_and_the_residual_window_comes_o
     per_token = cfg.num_hidden_layers * heads * (2 * dim // 2 + 2 + 2 * dim / bs)
     assert spec.bytes_per_token == kivi.kv_bytes_per_token == per_token
     pool = kivi.engine.pool
-    window = 2 * cfg.num_hidden_layers * 16 * bs * heads * dim * 4  # 2 x max_num_seqs fp32 blocks, K and V
-    assert pool.num_residual_slots == 16 and pool.residual_k.nbytes + pool.residual_v.nbytes == window
+    window = 2 * cfg.num_hidden_layers * 8 * bs * heads * dim * 4  # max_num_seqs fp32 blocks, K and V
+    assert pool.num_residual_slots == 8 and pool.residual_k.nbytes + pool.residual_v.nbytes == window
     assert pool.nbytes == pool.num_blocks * spec.bytes_per_block + window <= memory
     assert pool.num_blocks == (memory - window) // spec.bytes_per_block
 
@@ -274,3 +274,21 @@ def test_bad_kv_cache_dtypes_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of 'auto'.*'int8'.*got 'int3'"):
         LLM("tiny-py", kv_cache_dtype="int3")
     assert set(QUANTIZED) <= set(KV_CACHE_DTYPES) and {"fp16", "bf16"} <= set(KV_CACHE_DTYPES)
+
+
+def test_kivi_needs_one_residual_slot_per_running_request(llm):
+    """Chunks that fill one block and start the next hand the slot on; preempted, finished and recomputed
+    requests give theirs back: max_num_seqs slots always suffice."""
+    prompts, params = mixed(llm)
+    engine = engine_for(llm, kv_cache_dtype="int4", max_num_seqs=3, max_num_batched_tokens=20, num_kv_blocks=12)
+    window = engine.core.runner.residual
+    states = [engine.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    for state in states:
+        engine.add(state)
+    live_most = 0
+    while not all(s.finished for s in states):
+        engine.step()
+        live = [slot for slot, (r, _) in window.owner.items() if not r.is_finished]
+        live_most = max(live_most, len(live))
+        assert len(live) <= 3 and len(window.free) + len(window.owner) == 3
+    assert engine.scheduler.num_preemptions > 0 and live_most == 3

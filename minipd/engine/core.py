@@ -104,9 +104,8 @@ class EngineCore:
 
     @property
     def num_residual_slots(self) -> int:
-        """Full-precision blocks a KIVI pool keeps for filling blocks: one per running sequence, and as many
-        again for steps that fill one block and start the next."""
-        return 2 * self.config.max_num_seqs if self.kv_spec.has_residual_window else 0
+        """Full-precision blocks a KIVI pool keeps for filling blocks: one per running sequence."""
+        return self.config.max_num_seqs if self.kv_spec.has_residual_window else 0
 
     def _default_num_blocks(self) -> int:
         cfg = self.config

@@ -2,8 +2,8 @@
 
 KIVI quantizes keys per channel, one scale per dimension over a block's tokens, so a block can only
 become codes once all its tokens are there. Until then its tokens live in a *residual slot*: a
-block-sized buffer of the model's dtype, one per sequence that has a partly filled last block (plus
-a few spare for the step that fills one block and starts the next).
+block-sized buffer of the model's dtype, one per sequence that has a partly filled last block (a step
+that fills one block and starts the next hands the slot on, after sealing the full one).
 
 The paged kernels need no second code path for it. Slots are numbered after the pool's blocks: in a
 step's block tables (the copies handed to the kernels, never the requests' own), a sequence's partly
@@ -13,10 +13,11 @@ model runner (:class:`ResidualWindow`) and applied in every layer:
 
 1. every new token of a partly filled block goes to its residual row;
 2. blocks the step writes whole become codes straight away;
-3. a block the step fills is *sealed*: its residual rows become codes and its slot is released after the
-   step; the partly filled ones are sealed too, as they stand, but keep their slot and are still read
-   from it. So a block's codes are always a (lossy) picture of it, and another worker or a snapshot that
-   copies blocks gets something to continue from.
+3. a block the step fills is *sealed*: its residual rows become codes and its slot is free, for the
+   sequence's next filling block or another's;
+4. the new filling blocks' tokens go to their rows, and the filling blocks are sealed too, as they
+   stand, but keep their slot and are still read from it. So a block's codes are always a (lossy)
+   picture of it, and another worker or a snapshot that copies blocks gets something to continue from.
 
 A sequence whose partly filled block arrives without a residual slot (imported from a prefill worker,
 restored from a snapshot) gets one by dequantizing those codes: its tail tokens went through int4 once.
@@ -24,6 +25,7 @@ restored from a snapshot) gets one by dequantizing those codes: its tail tokens 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +42,23 @@ if TYPE_CHECKING:
 class ResidualPlan:
     """One step's writes into a windowed cache, as index tensors shared by every layer."""
 
-    #: Tokens (rows of the step) that go to the residual window, and their rows there (``slot * bs + offset``).
+    #: Tokens (rows of the step) that go to the residual window, and their rows there (``slot * bs + offset``):
+    #: first those continuing a filling block, then (after the blocks they fill are sealed) those starting one.
     residual_tokens: torch.Tensor
     residual_rows: torch.Tensor
+    tail_tokens: torch.Tensor
+    tail_rows: torch.Tensor
     #: Tokens of blocks the step writes whole, ``block_size`` per block in order, and those blocks.
     direct_tokens: torch.Tensor
     direct_blocks: torch.Tensor
-    #: Residual slots to seal into codes, the blocks they stand for, and how many of their rows are filled.
+    #: Residual slots to seal into codes, the blocks they stand for, and how many of their rows are filled:
+    #: first the blocks the step fills, then the filling blocks as they stand.
     seal_slots: torch.Tensor
     seal_blocks: torch.Tensor
     seal_counts: torch.Tensor
+    partial_slots: torch.Tensor
+    partial_blocks: torch.Tensor
+    partial_counts: torch.Tensor
 
 
 class WindowedLayerCache:
@@ -110,27 +119,42 @@ class WindowedLayerCache:
                                "ResidualWindow.plan; none is set")
         heads, dim = x.shape[-2:]
         bs = self.codes.shape[1]
+        window = self.residual.view(-1, heads, dim)
         if plan.residual_tokens.numel():
-            self.residual.view(-1, heads, dim)[plan.residual_rows] = x[plan.residual_tokens].to(self.residual.dtype)
+            window[plan.residual_rows] = x[plan.residual_tokens].to(self.residual.dtype)
         if plan.direct_blocks.numel():
             codes, scales = self.encode_blocks(x[plan.direct_tokens].view(-1, bs, heads, dim))
             self.codes[plan.direct_blocks], self.scales[plan.direct_blocks] = codes, scales
-        if plan.seal_slots.numel():
-            rows = self.residual[plan.seal_slots].float()
-            filled = torch.arange(bs, device=rows.device)[None, :] < plan.seal_counts[:, None]
-            codes, scales = self.encode_blocks(rows * filled[:, :, None, None])
-            self.codes[plan.seal_blocks], self.scales[plan.seal_blocks] = codes, scales
+        # Blocks filled this step are sealed before a new filling block may take over their slot.
+        self._seal(plan.seal_slots, plan.seal_blocks, plan.seal_counts)
+        if plan.tail_tokens.numel():
+            window[plan.tail_rows] = x[plan.tail_tokens].to(self.residual.dtype)
+        self._seal(plan.partial_slots, plan.partial_blocks, plan.partial_counts)
+
+    def _seal(self, slots: torch.Tensor, blocks: torch.Tensor, counts: torch.Tensor) -> None:
+        """Codes for ``blocks`` from the first ``counts`` rows of residual ``slots`` (the rest as zeros)."""
+        if not slots.numel():
+            return
+        rows = self.residual[slots].float()
+        filled = torch.arange(rows.shape[1], device=rows.device)[None, :] < counts[:, None]
+        codes, scales = self.encode_blocks(rows * filled[:, :, None, None])
+        self.codes[blocks], self.scales[blocks] = codes, scales
 
 
 @dataclass
 class _StepWrites:
     residual_tokens: list[int] = field(default_factory=list)
     residual_rows: list[int] = field(default_factory=list)
+    tail_tokens: list[int] = field(default_factory=list)
+    tail_rows: list[int] = field(default_factory=list)
     direct_tokens: list[int] = field(default_factory=list)
     direct_blocks: list[int] = field(default_factory=list)
     seal_slots: list[int] = field(default_factory=list)
     seal_blocks: list[int] = field(default_factory=list)
     seal_counts: list[int] = field(default_factory=list)
+    partial_slots: list[int] = field(default_factory=list)
+    partial_blocks: list[int] = field(default_factory=list)
+    partial_counts: list[int] = field(default_factory=list)
 
 
 class ResidualWindow:
@@ -174,18 +198,19 @@ class ResidualWindow:
         bs, w = self.block_size, self._writes
         end = first + count
         slots = np.empty(count, dtype=np.int64)
-        cursor, tail = first, None
+        cursor, tail, freed = first, None, None
         if first % bs:  # the step continues a filling block
             index = first // bs
             slot = self._slot_holding(request, table[index], first % bs)
             stop = min(end, (index + 1) * bs)
-            self._to_window(slots, slot, first, stop, first, first_row)
-            if stop == (index + 1) * bs:  # ... and fills it
-                self._seal(slot, table[index], bs)
-                self._release.add(slot)
-                del self.tail[request.request_id]
+            self._to_window(slots, slot, first, stop, first, first_row, w.residual_tokens, w.residual_rows)
+            if stop == (index + 1) * bs:  # ... and fills it: its slot is free for the next filling block
+                w.seal_slots.append(slot)
+                w.seal_blocks.append(table[index])
+                w.seal_counts.append(bs)
+                freed = slot
             else:
-                self._seal(slot, table[index], stop - index * bs)
+                self._seal_partial(slot, table[index], stop - index * bs)
                 tail = (index, self.num_blocks + slot)
             cursor = stop
         whole_end = end // bs * bs
@@ -196,12 +221,19 @@ class ResidualWindow:
             w.direct_tokens.extend(range(first_row + cursor - first, first_row + whole_end - first))
             w.direct_blocks.extend(blocks.tolist())
             cursor = whole_end
-        if end > cursor:  # a new filling block
+        if end > cursor:  # a new filling block (in the slot just freed, if any: sealing comes first)
             index = cursor // bs
-            slot = self._claim(request, table[index])
-            self._to_window(slots, slot, cursor, end, first, first_row)
-            self._seal(slot, table[index], end - cursor)
+            if freed is not None:
+                slot, freed = freed, None
+                self.owner[slot] = (request, table[index])
+            else:
+                slot = self._claim(request, table[index])
+            self._to_window(slots, slot, cursor, end, first, first_row, w.tail_tokens, w.tail_rows)
+            self._seal_partial(slot, table[index], end - cursor)
             tail = (index, self.num_blocks + slot)
+        if freed is not None:
+            self._release.add(freed)
+            del self.tail[request.request_id]
         return slots, tail
 
     def plan(self) -> ResidualPlan:
@@ -211,9 +243,7 @@ class ResidualWindow:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        plan = ResidualPlan(tensor(w.residual_tokens), tensor(w.residual_rows), tensor(w.direct_tokens),
-                            tensor(w.direct_blocks), tensor(w.seal_slots), tensor(w.seal_blocks),
-                            tensor(w.seal_counts))
+        plan = ResidualPlan(*(tensor(getattr(w, f.name)) for f in dataclasses.fields(ResidualPlan)))
         self.pool.step_plan = plan
         return plan
 
@@ -244,18 +274,19 @@ class ResidualWindow:
         self.pool.residual_v[:, slot, :filled] = rows[1].to(self.pool.residual_v)
 
     # ------------------------------------------------------------------------------------ internals
-    def _to_window(self, slots: np.ndarray, slot: int, start: int, stop: int, first: int, first_row: int) -> None:
+    def _to_window(self, slots: np.ndarray, slot: int, start: int, stop: int, first: int, first_row: int,
+                   tokens: list[int], rows: list[int]) -> None:
         bs = self.block_size
         offsets = np.arange(start, stop) % bs
         slots[start - first:stop - first] = (self.num_blocks + slot) * bs + offsets
-        self._writes.residual_tokens.extend(range(first_row + start - first, first_row + stop - first))
-        self._writes.residual_rows.extend((slot * bs + offsets).tolist())
+        tokens.extend(range(first_row + start - first, first_row + stop - first))
+        rows.extend((slot * bs + offsets).tolist())
 
-    def _seal(self, slot: int, block_id: int, filled: int) -> None:
+    def _seal_partial(self, slot: int, block_id: int, filled: int) -> None:
         w = self._writes
-        w.seal_slots.append(slot)
-        w.seal_blocks.append(block_id)
-        w.seal_counts.append(filled)
+        w.partial_slots.append(slot)
+        w.partial_blocks.append(block_id)
+        w.partial_counts.append(filled)
 
     def _slot_holding(self, request: Any, block_id: int, filled: int) -> int:
         """The slot holding ``request``'s filling block, or a new one filled from the block's codes."""
@@ -269,15 +300,18 @@ class ResidualWindow:
         return slot
 
     def _claim(self, request: Any, block_id: int) -> int:
+        old = self.tail.pop(request.request_id, None)
+        if old is not None and old not in self._release:
+            # From an earlier life of the request (preempted and recomputed, or its tail arrived as codes):
+            # nothing reads it this step, so it can go straight back.
+            self.owner.pop(old, None)
+            self.free.append(old)
         if not self.free:
             self._reclaim()
         if not self.free:
             raise RuntimeError(f"all {self.pool.num_residual_slots} residual slots of the int4 KV cache are in "
                                "use; the engine sizes them for max_num_seqs")
         slot = self.free.pop()
-        old = self.tail.get(request.request_id)
-        if old is not None:  # from an earlier life of the request (preempted and recomputed)
-            self._release.add(old)
         self.tail[request.request_id] = slot
         self.owner[slot] = (request, block_id)
         return slot
