@@ -164,12 +164,14 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
             for run in (run_colocated(colocated, shorts, "colocated"), run_split(pd, shorts)):
                 short_runs.setdefault(run.system, []).append(run)
     transfer = {}
-    for mode, cache in (("pull", "auto"), ("push", "auto"), ("layerwise", "auto"), ("layerwise", "int8")):
-        with DisaggregatedLLM(model, threads_per_worker=1, kv_transfer=mode, enable_prefix_caching=False,
-                              kv_cache_dtype=cache) as pd:
+    variants = {"pull": {}, "push": {}, "layerwise": {}, "layerwise, int8": {"kv_cache_dtype": "int8"},
+                # The pools stay fp32; only the wire is int8 (the torch transport: NIXL moves memory as it lies).
+                "layerwise, int8 wire": {"kv_transfer_dtype": "int8", "kv_transport": "torch"}}
+    for name, options in variants.items():
+        with DisaggregatedLLM(model, threads_per_worker=1, kv_transfer=name.split(",")[0], enable_prefix_caching=False,
+                              **options) as pd:
             pd.generate([[5] * 16], SamplingParams(max_tokens=2))
-            transfer[mode if cache == "auto" else f"{mode}, {cache}"] = measure_transfer(
-                pd, colocated.config.vocab_size, scale)
+            transfer[name] = measure_transfer(pd, colocated.config.vocab_size, scale)
     print(f"\n[pd] {sum(a.steady for a in arrivals)} steady requests, bursts of {sum(not a.steady for a in arrivals)} "
           f"long prompts; {rounds} interleaved rounds, min / median of each figure")
     summary = _table(runs)
@@ -183,20 +185,24 @@ def main(model: str = "tiny-py", scale: float = 1.0, rounds: int = 2) -> int:
     split, colo = summary["split (1 prefill + 1 decode worker)"], summary["colocated"]
     for name, key in (("P50 TPOT", "tpot50"), ("P50 TTFT", "ttft50"), ("throughput", "tput")):
         print(f"  {name + ' split / colocated (medians)':54} {split[key][1] / colo[key][1]:5.2f}x")
-    print("\n[pd transfer] KV moved per request over NIXL, by mode and prompt length (median of three).")
+    print("\n[pd transfer] KV moved per request (NIXL where installed; the wire-int8 row over torch), by mode and")
+    print("  prompt length (median of three).")
     print("  'in prefill': share of the transfer's span inside the prefill step; 'after': what the decode side")
     print("  still waits once the prefill is done. On a CPU the writes run on the prefill worker's own thread,")
     print("  so a layer-wise transfer is interleaved with compute (and lengthens the step), not parallel to it.")
-    print(f"  {'mode':16} {'prompt':>7} {'MiB':>8} {'span ms':>8} {'GB/s':>7} {'in prefill':>11} {'after ms':>9}")
+    print(f"  {'mode':20} {'prompt':>7} {'MiB':>8} {'span ms':>8} {'GB/s':>7} {'in prefill':>11} {'after ms':>9}")
     for mode, rows in transfer.items():
         for length, (num_bytes, ms, hidden) in rows.items():
             inside = "" if hidden is None else f"{hidden:.0%}"
             after = "" if hidden is None else f"{(1 - hidden) * ms:.2f}"
-            print(f"  {mode:16} {length:7d} {num_bytes / 2**20:8.2f} {ms:8.2f} {num_bytes / max(ms, 1e-6) / 1e6:7.2f} "
+            print(f"  {mode:20} {length:7d} {num_bytes / 2**20:8.2f} {ms:8.2f} {num_bytes / max(ms, 1e-6) / 1e6:7.2f} "
                   f"{inside:>11} {after:>9}")
     longest = max(transfer["layerwise"])
     saved = transfer["layerwise, int8"][longest][0] / transfer["layerwise"][longest][0]
     print(f"  an int8 cache moves {saved:.3f}x the bytes of the model's own ({longest}-token prompt, scales included)")
+    wire = transfer["layerwise, int8 wire"][longest][0] / transfer["layerwise"][longest][0]
+    print(f"  an fp32 cache sent as int8 (kv_transfer_dtype) moves {wire:.3f}x; its decode worker reads int8-rounded "
+          "prompt K/V")
     long_layerwise = [h for n, (_, _, h) in transfer["layerwise"].items() if n >= 512 and h is not None]
     if long_layerwise:
         share = statistics.median(long_layerwise)

@@ -40,7 +40,8 @@ def test_pd_bench_prints_interference_and_transfer_figures():
     text = out.stdout
     for needle in ("colocated, chunked prefill", "split (1 prefill + 1 decode worker)",
                    "P99 TPOT split / colocated (medians)", "[pd transfer]", "pull ", "push ", "layerwise ",
-                   "layerwise, int8", "an int8 cache moves"):
+                   "layerwise, int8", "an int8 cache moves", "layerwise, int8 wire",
+                   "sent as int8 (kv_transfer_dtype)"):
         assert needle in text, needle
     bad = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", "pd", "--rounds", "0"],
                          capture_output=True, text=True, env=env, timeout=120)

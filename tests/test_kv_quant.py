@@ -292,3 +292,26 @@ def test_kivi_needs_one_residual_slot_per_running_request(llm):
         live_most = max(live_most, len(live))
         assert len(live) <= 3 and len(window.free) + len(window.owner) == 3
     assert engine.scheduler.num_preemptions > 0 and live_most == 3
+
+
+@pytest.mark.parametrize("name", PER_TOKEN)
+def test_a_wire_format_packs_a_float_pool_and_unpacks_its_round_trip(name):
+    """kv_transfer_dtype: what the receiver writes is exactly the per-token round trip of what was sent,
+    in as many bytes as the codes and scales take, for any run of layers and any blocks."""
+    from minipd.pd.transport import QuantizedWire
+
+    spec = KVSpec(3, 8, 2, 32, torch.float32)
+    sender, receiver = PagedKVPool(spec, 10, "cpu"), PagedKVPool(spec, 10, "cpu")
+    sender.k.normal_()
+    sender.v.normal_()
+    send, receive = QuantizedWire(sender, name), QuantizedWire(receiver, name)
+    blocks, into = torch.tensor([7, 2, 5]), torch.tensor([0, 9, 4])
+    payload = send.pack(slice(1, 3), blocks)
+    assert payload.dtype == torch.uint8 and payload.numel() == send.size(2, 3)
+    assert send.bytes_per_block == 2 * 3 * 8 * 2 * (32 // FORMATS[name].pack + 2)
+    receive.unpack(slice(1, 3), into, payload)
+    for mine, theirs in ((receiver.k, sender.k), (receiver.v, sender.v)):
+        assert torch.equal(mine[1:3, into], fake_quantize(theirs[1:3, blocks], name))
+        assert not mine[0].any() and not mine[1:3, [1, 2, 3, 5, 6, 7, 8]].any()  # nothing else written
+    with pytest.raises(ValueError, match="already int8"):
+        QuantizedWire(PagedKVPool(KVSpec(1, 8, 2, 32, torch.int8, (8, 2), torch.float16, "int8"), 2, "cpu"), name)

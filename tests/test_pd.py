@@ -346,6 +346,34 @@ def test_a_kivi_pool_moves_its_codes_and_the_filling_block_crosses_as_codes(llm)
     assert moved and all(o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block for o in moved)
 
 
+def test_a_float_pool_can_be_compressed_on_the_wire_only(llm):
+    """kv_transfer_dtype='int8': both pools keep fp32, the blocks travel as int8 codes and scales (0.27x of
+    fp32's bytes on tiny-py), and the decode worker continues from the prompt's K/V rounded to int8."""
+    prompts, _ = mixed(llm, 6)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    cfg = llm.config
+    fp32_block = llm.engine.core.kv_spec.bytes_per_block
+    wire_block = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * (cfg.head_dim + 2)
+    with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_transfer_dtype="int8", kv_lease_s=20,
+                          start_timeout=120) as pd:
+        for mode in ("pull", "push", "layerwise"):
+            pd.kv_transfer = mode
+            outputs = pd.generate(prompts, params)
+            got = [o.token_ids for o in outputs]
+            same = [a == b for x, y in zip(got, expected, strict=True) for a, b in zip(x, y, strict=True)]
+            assert sum(same) / len(same) > 0.8, mode
+            moved = [o for o in outputs if o.metrics.decode_worker == "decode0"]
+            assert moved and all(o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * wire_block
+                                 for o in moved), mode
+        wait_until_blocks_free(pd)
+    assert wire_block / fp32_block == pytest.approx(0.2656, abs=1e-3)
+    with pytest.raises(ValueError, match="kv_transfer_dtype must be None or one of 'int8'"):
+        DisaggregatedLLM("tiny-py", kv_transport="torch", kv_transfer_dtype="int3")
+    with pytest.raises(ValueError, match="travel compressed already"):
+        DisaggregatedLLM("tiny-py", kv_transport="torch", kv_transfer_dtype="int8", kv_cache_dtype="int8")
+
+
 def test_logprobs_come_back_from_both_workers(llm):
     """Prompt log-probabilities and the first token's come from the prefill worker, the rest from the
     decode worker; together they are one engine's."""

@@ -118,6 +118,10 @@ class DisaggregatedLLM:
         kv_transport: what moves them: ``"nixl"`` (the default where installed) or ``"torch"``
             (``torch.distributed`` with gloo: every platform, slower, no recovery of transfers under way
             when a worker dies — those requests are recomputed after ``kv_lease_s``).
+        kv_transfer_dtype: quantize K/V for the wire only: ``"int8"``, ``"fp8"`` or ``"int4_per_token"``
+            (None: as the pool stores them). Both pools keep floats; the bytes moved shrink as a quantized
+            pool's would, and the decode worker reads the prompt's K/V rounded to the format. Needs
+            ``kv_transport="torch"`` and a float ``kv_cache_dtype``.
         kv_lease_s: how long a prefill worker keeps a finished request's blocks for a reader, and how
             long a read may take before the request is recomputed instead.
         threads_per_worker: torch threads in each worker (default 1: workers share the machine's cores).
@@ -134,7 +138,7 @@ class DisaggregatedLLM:
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, num_prefill_workers: int = 1,
                  num_decode_workers: int = 1, kv_transfer: str = "layerwise", kv_transport: str | None = None,
-                 kv_lease_s: float = 30.0,
+                 kv_transfer_dtype: str | None = None, kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
                  listen: str | None = None, heartbeat_timeout: float = 10.0, **llm_options: Any) -> None:
         for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
@@ -152,6 +156,21 @@ class DisaggregatedLLM:
             raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
         self.kv_transport = kv_transport
         self.kv_transfer = kv_transfer
+        wire_formats = ("int8", "fp8", "int4_per_token")
+        if kv_transfer_dtype is not None:
+            if kv_transfer_dtype not in wire_formats:
+                raise ValueError(f"kv_transfer_dtype must be None or one of {', '.join(map(repr, wire_formats))}, "
+                                 f"got {kv_transfer_dtype!r}")
+            if kv_transport != "torch":
+                raise ValueError("kv_transfer_dtype needs kv_transport='torch': NIXL moves pool memory as it lies, "
+                                 "so a compressed wire needs a quantized pool (kv_cache_dtype) there")
+            from minipd.kv.spec import KV_DTYPES
+
+            pool_dtype = llm_options.get("kv_cache_dtype", "auto")
+            if pool_dtype != "auto" and pool_dtype not in KV_DTYPES:
+                raise ValueError(f"kv_transfer_dtype compresses a float pool on the wire; with kv_cache_dtype="
+                                 f"{pool_dtype!r} the blocks travel compressed already")
+        self.kv_transfer_dtype = kv_transfer_dtype
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
         if llm_options.get("kv_cache_dtype") == "adaptive":
@@ -221,7 +240,7 @@ class DisaggregatedLLM:
                     socket = self._context.socket(zmq.PUSH)
                     socket.bind(inbox)
                     transport = {"name": self.kv_transport, "rank": len(self._workers), "world_size": world,
-                                 "address": address}
+                                 "address": address, "wire_dtype": self.kv_transfer_dtype}
                     process = spawn.Process(target=run_worker, name=f"minipd-{name}", daemon=True,
                                             args=(role, index, model, llm_options, inbox, outbox, kv_lease_s,
                                                   threads, transport))
@@ -271,7 +290,8 @@ class DisaggregatedLLM:
             else:  # rank 0 hosts torch.distributed's store, on the port it found free
                 address, order = f"tcp://{hellos[0]['host']}:{hellos[0]['free_port']}", list(range(len(hellos)))
             for hello, rank in zip(hellos, order, strict=True):
-                transport = {"name": self.kv_transport, "rank": rank, "world_size": len(hellos), "address": address}
+                transport = {"name": self.kv_transport, "rank": rank, "world_size": len(hellos), "address": address,
+                             "wire_dtype": self.kv_transfer_dtype}
                 self._send(self._workers[hello["name"]],
                            ("config", hello["name"], model, llm_options, kv_lease_s, threads, transport))
             self._wait_ready(max(1.0, deadline - time.monotonic()))

@@ -105,6 +105,67 @@ def unpack_blocks(tensors: list[torch.Tensor], layers: slice, index: torch.Tenso
         offset += size
 
 
+class RawBlocks:
+    """Blocks on the wire exactly as the pool stores them (codes and scales for a quantized pool)."""
+
+    def __init__(self, pool: PagedKVPool) -> None:
+        self.tensors = pool_tensors(pool)
+        #: Bytes of one block, every layer, K and V, as sent.
+        self.bytes_per_block = packed_size(self.tensors, pool.k.shape[0], 1)
+
+    def pack(self, layers: slice, index: torch.Tensor) -> torch.Tensor:
+        return pack_blocks(self.tensors, layers, index)
+
+    def size(self, num_layers: int, num_blocks: int) -> int:
+        return packed_size(self.tensors, num_layers, num_blocks)
+
+    def unpack(self, layers: slice, index: torch.Tensor, payload: torch.Tensor) -> None:
+        unpack_blocks(self.tensors, layers, index, payload)
+
+
+class QuantizedWire:
+    """Blocks of a float pool quantized for the wire only (``kv_transfer_dtype``): the sender sends codes
+    and a scale per token per KV head, the receiver writes their values back into its float pool. The
+    bytes shrink as they would in a quantized pool; the K/V land rounded to the format."""
+
+    def __init__(self, pool: PagedKVPool, format_name: str) -> None:
+        from minipd.kv.quant import FORMATS
+
+        if pool.spec.is_quantized:
+            raise ValueError("kv_transfer_dtype compresses a float pool on the wire; this pool is already "
+                             f"{pool.spec.quant}")
+        if format_name not in FORMATS or FORMATS[format_name].per_channel_keys:
+            raise ValueError(f"kv_transfer_dtype must be one of 'int8', 'fp8', 'int4_per_token', got {format_name!r}")
+        self.pool, self.fmt = pool, FORMATS[format_name]
+        spec = pool.spec
+        self.row = spec.num_kv_heads * spec.head_dim // self.fmt.pack  # code bytes of one token of one layer
+        self.bytes_per_block = self.size(spec.num_layers, 1)
+
+    def size(self, num_layers: int, num_blocks: int) -> int:
+        spec = self.pool.spec
+        tokens = num_layers * num_blocks * spec.block_size
+        return 2 * tokens * (self.row + 2 * spec.num_kv_heads)  # K and V: codes and fp16 scales
+
+    def pack(self, layers: slice, index: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for cache in (self.pool.k, self.pool.v):
+            codes, scales = self.fmt.quantize(cache[layers, index])
+            parts += [t.contiguous().view(torch.uint8).reshape(-1) for t in (codes, scales)]
+        return torch.cat(parts)
+
+    def unpack(self, layers: slice, index: torch.Tensor, payload: torch.Tensor) -> None:
+        spec, offset = self.pool.spec, 0
+        for cache in (self.pool.k, self.pool.v):
+            target = cache[layers, index]  # (layers, blocks, block_size, heads, dim)
+            codes_shape = (*target.shape[:-1], spec.head_dim // self.fmt.pack)
+            size = int(np.prod(codes_shape))
+            codes = payload[offset:offset + size].view(self.fmt.storage).view(codes_shape)
+            offset += size
+            scales = payload[offset:offset + 2 * size * self.fmt.pack // spec.head_dim].view(torch.float16)
+            offset += scales.numel() * 2
+            cache[layers, index] = self.fmt.dequantize(codes, scales.view(target.shape[:-1]), cache.dtype)
+
+
 class NixlTransport:
     """One NIXL agent per worker, its pool registered once; reads peers' blocks and reports finished reads."""
 
@@ -214,7 +275,7 @@ class TorchDistributedTransport:
     _READ, _WRITE = 0, 1
 
     def __init__(self, agent_name: str, pool: PagedKVPool, rank: int, world_size: int, address: str,
-                 max_blocks_per_request: int) -> None:
+                 max_blocks_per_request: int, wire_dtype: str | None = None) -> None:
         import datetime
         import threading
 
@@ -225,7 +286,10 @@ class TorchDistributedTransport:
             dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=120))
         self.agent_name, self.rank, self.pool = agent_name, rank, pool
-        self.tensors = pool_tensors(pool)
+        #: How blocks are put on the wire: as stored, or quantized for the wire only (``kv_transfer_dtype``).
+        self.codec: RawBlocks | QuantizedWire = RawBlocks(pool) if wire_dtype is None else QuantizedWire(pool,
+                                                                                                       wire_dtype)
+        self.bytes_per_block = self.codec.bytes_per_block
         self.num_layers = pool.k.shape[0]
         self.max_blocks = max_blocks_per_request
         self._peers: dict[str, int] = {}
@@ -286,8 +350,7 @@ class TorchDistributedTransport:
         works = []
         if remote_blocks:
             # The receive is posted before the header leaves, so the reply always has somewhere to land.
-            handle["buffer"] = torch.empty(packed_size(self.tensors, self.num_layers, len(remote_blocks)),
-                                           dtype=torch.uint8)
+            handle["buffer"] = torch.empty(self.codec.size(self.num_layers, len(remote_blocks)), dtype=torch.uint8)
             works.append(self.dist.irecv(handle["buffer"], src=src, tag=tag))
         works.insert(0, self.dist.isend(header, dst=src))
         self._wait_in_background(handle, works, "RECEIVED")
@@ -307,7 +370,7 @@ class TorchDistributedTransport:
         dst = self._peers[peer]
         index = torch.tensor(local_blocks, dtype=torch.long)
         # Packed now, so the bytes sent are this moment's even if the pool changes while they travel.
-        packed = pack_blocks(self.tensors, slice(first, first + count), index)
+        packed = self.codec.pack(slice(first, first + count), index)
         handle: dict[str, Any] = {"state": "PROC", "blocks": [], "packed": packed}
         acknowledgement = torch.zeros(1, dtype=torch.int64)
         works = [self.dist.irecv(acknowledgement, src=dst, tag=tag), self.dist.isend(header, dst=dst),
@@ -323,7 +386,7 @@ class TorchDistributedTransport:
             return state
         if handle["blocks"]:
             index = torch.tensor(handle["blocks"], dtype=torch.long)
-            unpack_blocks(self.tensors, slice(None), index, handle["buffer"])
+            self.codec.unpack(slice(None), index, handle["buffer"])
         handle["state"] = "DONE"
         return "DONE"
 
@@ -341,15 +404,15 @@ class TorchDistributedTransport:
                 if kind == self._WRITE:
                     # The blocks were reserved for the sender's request and nothing reads them until
                     # the front end hears the write is done, so storing them from this thread is safe.
-                    packed = torch.empty(packed_size(self.tensors, layers, count), dtype=torch.uint8)
+                    packed = torch.empty(self.codec.size(layers, count), dtype=torch.uint8)
                     self.dist.irecv(packed, src=peer, tag=tag).wait()
                     if self.store_delay_s:
                         time.sleep(self.store_delay_s)
-                    unpack_blocks(self.tensors, slice(first, first + layers), index, packed)
+                    self.codec.unpack(slice(first, first + layers), index, packed)
                     self.dist.isend(torch.ones(1, dtype=torch.int64), dst=peer, tag=tag).wait()
                     continue
                 if count:
-                    packed = pack_blocks(self.tensors, slice(None), index)
+                    packed = self.codec.pack(slice(None), index)
                     self.dist.isend(packed, dst=peer, tag=tag).wait()
             except RuntimeError:
                 return  # the group is broken (a peer died): transfers under way run into their lease

@@ -132,7 +132,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
             kv = NixlTransport(name, core.pool)
         else:
             kv = TorchDistributedTransport(name, core.pool, transport["rank"], transport["world_size"],
-                                           transport["address"], -(-core.max_model_len // core.config.block_size))
+                                           transport["address"], -(-core.max_model_len // core.config.block_size),
+                                           transport.get("wire_dtype"))
         send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
               "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
         _Worker(role, core, kv, send, kv_lease_s, heartbeat).serve(pull, parent_alive)
@@ -157,8 +158,10 @@ class _Worker:
 
         self.send = send_and_note
         self.kv_scheduler = KVConnectorScheduler(core, kv_lease_s)
-        self.kv_worker = KVConnectorWorker(transport, core.config.block_size, core.kv_spec.bytes_per_block,
-                                           core.kv_spec.num_layers, kv_lease_s)
+        # Bytes as they travel: the pool's, or fewer when blocks are quantized for the wire only.
+        wire_bytes = getattr(transport, "bytes_per_block", core.kv_spec.bytes_per_block)
+        self.kv_worker = KVConnectorWorker(transport, core.config.block_size, wire_bytes, core.kv_spec.num_layers,
+                                           kv_lease_s)
         core.runner.layer_hook = self.on_layer_stored
         # The step under way: when it started, and each layer's (hook entered, hook left) times; what the
         # prefill of each request that finished in it looked like, for the front end's timelines.
