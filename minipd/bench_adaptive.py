@@ -49,6 +49,21 @@ def burst(tokenizer, num_requests: int, prompt_len: int = 96) -> list[list[int]]
     return [ids[i * stride:i * stride + prompt_len] for i in range(num_requests)]
 
 
+def run_staggered(llm, prompts: Sequence[list[int]], params: SamplingParams, every: int = 3) -> list:
+    """Feed ``prompts`` to ``llm``'s engine one every ``every`` steps and run until all finish; return the
+    step stats of the run (a load that builds up, to watch the pool fill and the format switch)."""
+    engine = llm.engine
+    engine.core.step_stats.clear()
+    states, step = [], 0
+    while len(states) < len(prompts) or not all(s.finished for s in states):
+        if len(states) < len(prompts) and step % every == 0:
+            states.append(engine.make_request(prompts[len(states)], params))
+            engine.add(states[-1])
+        engine.step()
+        step += 1
+    return list(engine.core.step_stats)
+
+
 def measure(model: str = "tiny-py", loads: Sequence[int] = (2, 4, 8, 16), output_len: int = 64,
             kv_cache_memory: int = 3_000_000, max_num_seqs: int = 16, progress: bool = True) -> list[LoadResult]:
     """Run every variant of :data:`VARIANTS` on bursts of ``loads`` requests in ``kv_cache_memory`` bytes (for

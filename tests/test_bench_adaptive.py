@@ -32,14 +32,15 @@ def test_adaptive_holds_more_than_full_precision_and_loses_less_than_int4():
 
 
 def test_the_timeline_shades_the_steps_that_compress_newcomers():
+    from minipd import SamplingParams
+    from minipd.bench_adaptive import burst, run_staggered
+
     llm = LLM("tiny-py", kv_cache_dtype="adaptive", enable_prefix_caching=False, kv_cache_memory=1_500_000,
               kv_adaptive_thresholds=(0.3, 0.5))
-    from minipd import SamplingParams
-    from minipd.bench_adaptive import burst
-
-    llm.generate(burst(llm.tokenizer, 10), SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)
-    stats = list(llm.engine.core.step_stats)
-    assert any(s.kv_compressing for s in stats) and stats[0].kv_usage > 0
+    stats = run_staggered(llm, burst(llm.tokenizer, 10), SamplingParams(max_tokens=48, ignore_eos=True), every=4)
+    assert not stats[0].kv_compressing and stats[0].num_compressed_running == 0  # the first one: full precision
+    assert any(s.kv_compressing for s in stats) and stats[-1].kv_format_switches >= 2  # on, and off again
+    assert max(s.num_running for s in stats) > 3 and llm.engine.core.scheduler.num_preemptions == 0
     ax = plot_adaptive_timeline(stats, (0.3, 0.5))
     shaded = [p for p in ax.patches if p.get_alpha() == 0.12]
     assert len(shaded) == sum(s.kv_compressing for s in stats)

@@ -71,7 +71,8 @@ class AdaptiveBlockManager:
         """Pages holding something."""
         return self.num_blocks - len(self.free_pages)
 
-    def _decide(self) -> bool:
+    def _update_mode(self) -> bool:
+        """Follow the usage (with hysteresis) after every change; return the format a newcomer gets now."""
         usage = self.usage
         now = usage >= self.high if not self.compressing else usage >= self.low
         if now != self.compressing:
@@ -110,7 +111,7 @@ class AdaptiveBlockManager:
         if cached_prefix:
             raise ValueError("adaptive KV precision does not share prefix blocks")
         fresh = alloc.compressed is None
-        compressed = self._decide() if fresh else alloc.compressed
+        compressed = self._update_mode() if fresh else alloc.compressed
         needed = self.blocks_needed(alloc, num_tokens)
         if needed > self._room(compressed):
             return False
@@ -119,6 +120,7 @@ class AdaptiveBlockManager:
             self.admitted[compressed] += 1
         for _ in range(needed):
             alloc.block_table.append(self._take_part() if compressed else self.free_pages.pop())
+        self._update_mode()
         return True
 
     def _take_part(self) -> int:
@@ -151,6 +153,7 @@ class AdaptiveBlockManager:
         alloc.block_table.clear()
         alloc.committed_hashes.clear()
         alloc.compressed = None
+        self._update_mode()
 
     def compress(self, alloc: BlockAllocation) -> tuple[list[int], list[int]]:
         """Move a full-precision request to compressed blocks: free its pages, take as many parts.
