@@ -10,6 +10,7 @@ import torch
 from minipd import LLM, SamplingParams
 from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
+from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.press import KVPress, SinkWindowPress
 from minipd.models import bundled_models_dir
 
@@ -29,13 +30,14 @@ def code(llm: LLM, n: int, start: int = 0) -> list[int]:
     return llm.tokenizer.encode(text)[start:start + n]
 
 
+@pytest.mark.parametrize("granularity", ["block", "token"])
 @pytest.mark.parametrize("press", ["sink-window", "knorm", "h2o", "snapkv", "random"])
-def test_decoding_after_eviction_is_hf_attending_to_exactly_the_kept_tokens(llm, press):
+def test_decoding_after_eviction_is_hf_attending_to_exactly_the_kept_tokens(llm, press, granularity):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(bundled_models_dir() / "tiny-py", dtype=torch.float32,
                                               attn_implementation="eager").eval()
-    engine = engine_for(llm, kv_eviction=press, kv_budget=16)
+    engine = engine_for(llm, kv_eviction=press, kv_budget=16, kv_eviction_granularity=granularity)
     prompt = code(llm, 30)
     state = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1))
     engine.add(state)
@@ -45,11 +47,16 @@ def test_decoding_after_eviction_is_hf_attending_to_exactly_the_kept_tokens(llm,
     while not state.finished:
         p = request.num_computed_tokens
         if p >= len(prompt):
-            kept = [s + i for s in request.blocks.block_positions(bs) for i in range(bs) if s + i < p]
-            visible[p] = [*kept, p]
+            visible[p] = [*request.blocks.cache_positions(bs, p - request.blocks.num_dropped_tokens), p]
         engine.step()
         assert len(request.blocks.block_table) <= 16 // bs + 2  # the budget, a block over, the partial one
     assert engine.core.num_evicted_blocks > 0 and len(visible) == 39
+    if granularity == "token":  # single tokens went, not only whole aligned blocks of them
+        def whole_blocks(dropped: set[int]) -> bool:
+            return all(b * bs + i in dropped for b in {d // bs for d in dropped} for i in range(bs))
+
+        assert engine.core.num_evicted_tokens > 0
+        assert any(not whole_blocks(set(range(p)) - set(v)) for p, v in visible.items())
     ids = prompt + state.token_ids[:-1]  # the last token is produced, never fed
     n = len(ids)
     mask = torch.full((n, n), float("-inf")).triu(1)  # prompt rows: causal
@@ -75,8 +82,12 @@ def test_without_pressure_a_press_changes_nothing(llm):
     assert roomy.generate([prompt], params)[0].token_ids == plain and roomy.engine.core.num_evicted_blocks == 0
 
 
-def test_shared_prefix_blocks_are_released_never_written(llm):
-    engine = engine_for(llm, kv_eviction="sink-window", kv_budget=16, enable_prefix_caching=True)
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_shared_prefix_blocks_are_released_never_written(llm, granularity):
+    """Block eviction releases a shared block; token eviction, which rewrites blocks to compact them,
+    copies a shared one into a private block first."""
+    engine = engine_for(llm, kv_eviction="sink-window", kv_budget=16, enable_prefix_caching=True,
+                        kv_eviction_granularity=granularity)
     prompt = code(llm, 40)
     first = engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     engine.add(first)
@@ -89,9 +100,10 @@ def test_shared_prefix_blocks_are_released_never_written(llm):
     while not second.finished:
         engine.step()
     assert second.metrics.cached_tokens > 0 and engine.core.num_evicted_blocks > 0
-    for block, before in contents.items():  # the second request read them, dropped them, wrote none
-        if engine.block_manager.blocks[block].block_hash is not None:
-            assert torch.equal(engine.pool.k[:, block], before)
+    still = [b for b in contents if engine.block_manager.blocks[b].block_hash is not None]
+    assert still  # some cached blocks survived in the cache, so their bytes can be checked
+    for block in still:  # the second request read them, dropped or copied them, wrote none
+        assert torch.equal(engine.pool.k[:, block], contents[block])
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -167,3 +179,58 @@ def test_presses_that_never_read_key_values_get_their_shape_only(llm, press, mon
         engine.step()
     assert seen and all(k.device.type == "meta" and k.shape[1:] == (6, 8, 2, 32) for k in seen)
     assert engine.core.num_evicted_blocks > 0
+
+
+def test_compaction_packs_the_kept_slots_frees_whole_blocks_and_copies_shared_ones():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    alloc, other = BlockAllocation(), BlockAllocation()
+    assert bm.allocate(alloc, 14)  # blocks 0..3, the last one half full
+    table = list(alloc.block_table)
+    shared = bm.pin([table[1]])  # someone else holds block 1
+    keep = [0, 1, 2, 3, 4, 6, 9, 13]  # drop 5, 7, 8, 10, 11, 12
+    moves = bm.compact(alloc, keep, 14)
+    assert len(alloc.block_table) == 2 and alloc.block_table[0] == table[0]  # untouched before the first drop
+    assert alloc.block_table[1] != table[1] and bm.blocks[table[1]].ref_count == 1  # copied, not written
+    # Every slot of the rewritten block comes from its kept token, unmoved ones included.
+    assert moves == [(table[1] * 4 + 0, alloc.block_table[1] * 4 + 0), (table[1] * 4 + 2, alloc.block_table[1] * 4 + 1),
+                     (table[2] * 4 + 1, alloc.block_table[1] * 4 + 2), (table[3] * 4 + 1, alloc.block_table[1] * 4 + 3)]
+    assert alloc.num_dropped_tokens == 6 and alloc.token_positions == keep
+    assert alloc.cache_position(8) == 14  # a token computed after the compaction
+    assert bm.num_free_blocks == 10 - 2 - 1  # two kept blocks and the other holder's
+    bm.free_blocks(alloc)
+    bm.free_blocks(shared)
+    assert bm.num_free_blocks == 10 and alloc.token_positions is None
+    assert bm.allocate(other, 40) and bm.compact(other, [0, 5], 40) is not None
+    full = BlockAllocation()
+    bm2 = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    assert bm2.allocate(full, 8)
+    pin = bm2.pin(list(full.block_table))
+    assert bm2.compact(full, [0, 2, 3, 4, 5, 6, 7], 8) is None and len(full.block_table) == 2  # no room to copy
+    bm2.free_blocks(pin)
+
+
+def test_token_eviction_is_refused_for_kivi_and_named():
+    with pytest.raises(ValueError, match="kv_eviction_granularity must be 'block' or 'token'"):
+        LLM("tiny-py", kv_eviction="knorm", kv_budget=32, kv_eviction_granularity="page")
+    with pytest.raises(ValueError, match="KIVI"):
+        LLM("tiny-py", kv_eviction="knorm", kv_budget=32, kv_eviction_granularity="token", kv_cache_dtype="int4")
+
+
+def test_moving_slots_moves_codes_with_their_scales_and_reads_before_writing():
+    from minipd.kv.paged_pool import PagedKVPool
+    from minipd.kv.spec import KVSpec
+
+    pool = PagedKVPool(KVSpec(2, 4, 2, 8, torch.int8, (4, 2), torch.float16, "int8"), 3, "cpu")
+    pool.k.random_(-100, 100)
+    pool.v.random_(-100, 100)
+    pool.k_scale.uniform_(0.1, 1)
+    pool.v_scale.uniform_(0.1, 1)
+    before = [t.clone() for t in (pool.k, pool.v, pool.k_scale, pool.v_scale)]
+    moves = [(5, 1), (1, 2), (9, 5)]  # slot 1 is read before it is overwritten
+    pool.move_slots(moves)
+    for now, old in zip((pool.k, pool.v, pool.k_scale, pool.v_scale), before, strict=True):
+        flat_now, flat_old = now.flatten(1, 2), old.flatten(1, 2)
+        for src, dst in moves:
+            assert torch.equal(flat_now[:, dst], flat_old[:, src])
+        untouched = [s for s in range(12) if s not in {d for _, d in moves}]
+        assert torch.equal(flat_now[:, untouched], flat_old[:, untouched])

@@ -58,3 +58,14 @@ def test_the_cli_prints_the_table_and_refuses_bad_input():
     bad = subprocess.run([sys.executable, "-m", "minipd", "kvquality", "--methods", "int3"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "kv_cache_dtype must be one of" in bad.stderr
+
+
+def test_method_names_choose_the_granularity_and_bad_ones_are_named():
+    from minipd.kv.quality import method_options
+
+    assert method_options("int8+snapkv:64@token") == {"kv_cache_dtype": "int8", "kv_eviction": "snapkv",
+                                                       "kv_budget": 64, "max_num_batched_tokens": 1,
+                                                       "kv_eviction_granularity": "token"}
+    assert method_options("h2o:96")["kv_eviction_granularity"] == "block"
+    with pytest.raises(ValueError, match="optionally followed by @token"):
+        method_options("h2o:96@page")

@@ -45,7 +45,9 @@ class EngineConfig:
             :class:`~minipd.kv.press.KVPress`;
             None (the default) keeps everything.
         kv_budget: tokens of K/V a request keeps with ``kv_eviction`` (at least two blocks); it holds
-            up to one block more, since only whole blocks are dropped.
+            up to one block more, since blocks are given back whole.
+        kv_eviction_granularity: ``"block"`` (the press ranks whole blocks and whole blocks are dropped)
+            or ``"token"`` (it ranks single tokens; the kept ones are compacted into fewer blocks).
         stats_history: how many recent steps' :class:`~minipd.engine.stats.StepStats` the engine
             keeps (older ones are dropped, so a long-running service does not grow).
         snapshot_interval: save a resumable snapshot every this many steps (None: never); needs
@@ -65,6 +67,7 @@ class EngineConfig:
     kv_adaptive_thresholds: tuple[float, float] = (0.5, 0.7)
     kv_eviction: object = None
     kv_budget: int | None = None
+    kv_eviction_granularity: str = "block"
     stats_history: int = 10_000
     snapshot_interval: int | None = None
     snapshot_path: str | None = None
@@ -115,6 +118,12 @@ class EngineConfig:
                 raise ValueError("kv_budget needs kv_eviction (which press drops the blocks), got kv_eviction=None")
             return
         make_press(self.kv_eviction)  # names the choices when it is not one
+        if self.kv_eviction_granularity not in ("block", "token"):
+            raise ValueError("kv_eviction_granularity must be 'block' or 'token', "
+                             f"got {self.kv_eviction_granularity!r}")
+        if self.kv_eviction_granularity == "token" and self.kv_cache_dtype == "int4":
+            raise ValueError("kv_eviction_granularity='token' moves single tokens between blocks, which KIVI's "
+                             "int4 cannot (a block's keys share per-channel scales); use 'block' or another format")
         if not is_integer(self.kv_budget) or self.kv_budget < 2 * self.block_size:
             raise ValueError(f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
                              f"with kv_eviction, got {self.kv_budget!r}")

@@ -99,8 +99,9 @@ class EngineCore:
         if self.press is not None and self.press.needs_attention:
             self.attention_tracker = AttentionTracker(config.block_size, getattr(self.press, "window", None))
             self.runner.attention_observer = self.attention_tracker.observe
-        #: Blocks dropped by the press so far (token eviction).
+        #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
         self.num_evicted_blocks = 0
+        self.num_evicted_tokens = 0
 
     @property
     def num_residual_slots(self) -> int:
@@ -398,6 +399,9 @@ class EngineCore:
                 continue
             alloc = request.blocks
             cached = request.num_computed_tokens - alloc.num_dropped_tokens
+            if self.config.kv_eviction_granularity == "token":
+                self._evict_tokens(request, cached)
+                continue
             count = (cached - budget) // bs  # whole blocks only: up to a block over the budget is kept
             full = cached // bs
             if count < 1 or full < count:
@@ -412,6 +416,35 @@ class EngineCore:
             drop = blocks_to_drop(self.press, keys, firsts, request.num_computed_tokens, count, **context)
             self.block_manager.drop_blocks(alloc, drop, request.num_computed_tokens)
             self.num_evicted_blocks += len(drop)
+
+    def _evict_tokens(self, request: Request, cached: int) -> None:
+        """Token-level eviction: once a request holds a block's worth of tokens over its budget, drop the
+        lowest-scored tokens down to the budget and compact the rest to the front of its blocks, so that
+        whole blocks go back to the pool. The press scores tokens as blocks of one token each."""
+        bs, budget, spec = self.config.block_size, self.config.kv_budget, self.kv_spec
+        if cached - budget < bs:
+            return
+        alloc = request.blocks
+        positions = alloc.cache_positions(bs, cached)
+        shape = (cached, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim)
+        if self.press.needs_keys:
+            blocks = torch.tensor(alloc.block_table[:-(-cached // bs)], device=self.pool.k.device)
+            keys = self.pool.keys(blocks).transpose(1, 2).flatten(0, 1)[:cached].unsqueeze(2)  # tokens as blocks
+        else:
+            keys = torch.empty(shape, device="meta")
+        context = {}
+        if self.attention_tracker is not None:
+            context = {"attention": self.attention_tracker.block_mass(request.request_id, positions, width=1),
+                       "num_prompt_tokens": request.num_prompt_tokens}
+        drop = set(blocks_to_drop(self.press, keys, positions, request.num_computed_tokens, cached - budget,
+                                  **context))
+        blocks_before = len(alloc.block_table)
+        moves = self.block_manager.compact(alloc, [i for i in range(cached) if i not in drop], cached)
+        if moves is None:
+            return  # no free block to copy a shared one into: try again next step
+        self.pool.move_slots(moves)
+        self.num_evicted_blocks += blocks_before - len(alloc.block_table)
+        self.num_evicted_tokens += len(drop)
 
     def _apply_imports(self) -> bool:
         """Write the K/V given with requests whose blocks are allocated; True if any arrived.

@@ -105,15 +105,36 @@ class BlockAllocation:
     dropped_positions: list[int] = field(default_factory=list)
     #: With adaptive KV precision: whether its blocks are compressed (None until it has blocks).
     compressed: bool | None = None
+    #: After token-level eviction: the position of each of the leading cache slots (later slots hold the
+    #: tokens computed since, at position ``slot + num_dropped_tokens``). None: block-level only.
+    token_positions: list[int] | None = None
 
     def block_positions(self, block_size: int) -> list[int]:
         """The first token position of each block in the table (dropped blocks leave gaps)."""
+        if self.token_positions is not None:
+            return [self.cache_position(i * block_size) for i in range(len(self.block_table))]
         dropped, positions, start = set(self.dropped_positions), [], 0
         while len(positions) < len(self.block_table):
             if start not in dropped:
                 positions.append(start)
             start += block_size
         return positions
+
+    def cache_position(self, slot: int, block_size: int | None = None) -> int:
+        """The token position held by cache slot ``slot`` (``block_size`` needed after block drops)."""
+        if self.token_positions is not None:
+            kept = self.token_positions
+            return kept[slot] if slot < len(kept) else slot + self.num_dropped_tokens
+        if not self.dropped_positions:
+            return slot
+        assert block_size is not None, "block_size is needed to place slots after block drops"
+        return self.block_positions(block_size)[slot // block_size] + slot % block_size
+
+    def cache_positions(self, block_size: int, count: int) -> list[int]:
+        """The token position of each of the first ``count`` cache slots."""
+        if self.token_positions is None and self.dropped_positions:
+            return [p + i for p in self.block_positions(block_size) for i in range(block_size)][:count]
+        return [self.cache_position(i) for i in range(count)]
 
 
 class BlockManager:
@@ -277,6 +298,7 @@ class BlockManager:
         alloc.committed_hashes.clear()
         alloc.num_dropped_tokens = 0
         alloc.dropped_positions.clear()
+        alloc.token_positions = None
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -303,3 +325,41 @@ class BlockManager:
             self._release(alloc.block_table.pop(index))
         alloc.num_dropped_tokens += len(drop) * self.block_size
         del alloc.committed_hashes[min(drop, default=len(alloc.committed_hashes)):]
+
+    def compact(self, alloc: BlockAllocation, keep: Sequence[int], num_cached: int) -> list[tuple[int, int]] | None:
+        """Keep only the cache slots ``keep`` (ascending) of ``num_cached``, packed to the front of the table.
+
+        For token-level eviction: slot ``keep[j]`` moves to slot ``j``; the blocks past the kept tokens go
+        back to the pool, whole. A block that will be written and is shared (another holder, or
+        registered in the prefix cache) is replaced by a private one first, so no other reader sees a
+        byte change. Returns ``(from slot, to slot)`` pool slots for every token that moves, for the
+        caller to copy (reading all of them before writing any), or None, changing nothing, when there
+        is no free block for such a copy.
+        """
+        bs, table = self.block_size, alloc.block_table
+        if list(keep) != sorted(set(keep)) or (keep and (keep[0] < 0 or keep[-1] >= num_cached)):
+            raise ValueError(f"keep must be ascending slots in [0, {num_cached})")
+        first_moved = next((j for j, slot in enumerate(keep) if slot != j), len(keep))
+        needed = -(-len(keep) // bs)
+        shared = sum(1 for b in table[first_moved // bs:needed]
+                     if self.blocks[b].ref_count > 1 or self.blocks[b].block_hash is not None)
+        freed = sum(1 for b in table[needed:] if self.blocks[b].ref_count == 1)
+        if shared > len(self.free) + freed:
+            return None
+        positions = alloc.cache_positions(bs, num_cached)
+        old_table = list(table)
+        for index in range(needed, len(table)):  # whole blocks past the kept tokens
+            self._release(table[index])
+        del table[needed:]
+        for index in range(first_moved // bs, needed):  # blocks that will be written: private ones only
+            block = self.blocks[table[index]]
+            if block.ref_count > 1 or block.block_hash is not None:
+                self._release(table[index])
+                table[index] = self._take_free_block()
+        moves = []
+        for j in range(first_moved // bs * bs, len(keep)):  # a replaced block needs its unmoved slots too
+            moves.append((old_table[keep[j] // bs] * bs + keep[j] % bs, table[j // bs] * bs + j % bs))
+        alloc.token_positions = [positions[slot] for slot in keep]
+        alloc.num_dropped_tokens += num_cached - len(keep)
+        alloc.committed_hashes.clear()
+        return moves

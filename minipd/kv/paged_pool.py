@@ -107,6 +107,20 @@ class PagedKVPool:
                 values = cache.decode_blocks(cache.codes[block_id], cache.scales[block_id])  # type: ignore[union-attr]
                 residual[layer, slot, :filled] = values[:filled]
 
+    def move_slots(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy token slots ``from -> to`` (``block * block_size + offset``) in every layer, K and V, with their
+        per-token scales; all are read before any is written. KIVI's per-channel blocks cannot move a token."""
+        if not moves or self.spec.has_residual_window:
+            if moves:
+                raise ValueError("tokens cannot move between KIVI blocks (their keys share per-channel scales)")
+            return
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.k.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.k.device)
+        tensors = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.k_scale is not None else [])
+        for t in tensors:
+            rows = t.view(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])  # (layers, slots, ...)
+            rows[:, dst] = rows[:, src].clone()
+
     def keys(self, block_ids: torch.Tensor) -> torch.Tensor:
         """The keys of ``block_ids`` in every layer, as floats: ``(blocks, layers, block_size, heads, dim)``."""
         layers = [self.layer(i, torch.float32)[0][block_ids] for i in range(self.spec.num_layers)]

@@ -15,6 +15,10 @@ A press only scores blocks; writing one is a few lines::
         def score(self, keys, first_positions, num_tokens):
             return keys.abs().amax(dim=(1, 2, 3, 4))  # keep the blocks with the largest keys
 
+With ``kv_eviction_granularity="token"`` the same presses rank single tokens (each passed as a block of
+one token): once a request is a block over its budget, the lowest-scored tokens go and the rest are
+compacted to the front of its blocks, so whole blocks return to the pool.
+
 The presses here: ``"sink-window"`` (StreamingLLM: the first block, where attention sinks live, and
 the most recent ones), ``"knorm"`` (keep keys of small norm, which draw the most attention),
 ``"h2o"`` (heavy hitters: the blocks that have received the most attention so far, and the newest),
@@ -159,7 +163,7 @@ class AttentionTracker:
             cached = start - request.blocks.num_dropped_tokens + n
             table = torch.tensor(request.blocks.block_table[:-(-cached // bs)], device=q.device)
             keys = k_cache[table].flatten(0, 1)[:cached].float()  # (cached, kv_heads, dim)
-            positions = torch.tensor([p + i for p in request.blocks.block_positions(bs) for i in range(bs)][:cached])
+            positions = torch.tensor(request.blocks.cache_positions(bs, cached))
             queries = q[rows][first - start:end - start].float()
             q_pos = torch.arange(first, end)
             group = queries.shape[1] // keys.shape[1]
@@ -172,11 +176,14 @@ class AttentionTracker:
             total.index_add_(0, positions, mass.cpu())
             self.received[request.request_id] = total
 
-    def block_mass(self, request_id: str, first_positions: list[int]) -> torch.Tensor:
-        """The attention each block's tokens received, ``(blocks,)``."""
+    def block_mass(self, request_id: str, first_positions: list[int], width: int | None = None) -> torch.Tensor:
+        """The attention received by the ``width`` tokens (a block's by default) from each of ``first_positions``."""
+        width = self.block_size if width is None else width
         total = self.received.get(request_id, torch.zeros(0))
-        padded = torch.cat([total, torch.zeros(max(0, max(first_positions) + self.block_size - total.numel()))])
-        return torch.stack([padded[f:f + self.block_size].sum() for f in first_positions])
+        padded = torch.cat([total, torch.zeros(max(0, max(first_positions) + width - total.numel()))])
+        if width == 1:
+            return padded[torch.tensor(first_positions, dtype=torch.long)].clone()
+        return torch.stack([padded[f:f + width].sum() for f in first_positions])
 
     def forget(self, keep: set[str]) -> None:
         """Drop what was kept for requests not in ``keep`` (finished, aborted)."""

@@ -65,15 +65,19 @@ class QualityReport:
 
 def method_options(method: str) -> dict[str, Any]:
     """Engine options for a method name: a ``kv_cache_dtype`` (``"int8"``), or a press and a token budget
-    (``"sink-window:64"``), optionally after a dtype (``"int8+knorm:64"``)."""
+    (``"sink-window:64"``; ``"sink-window:64@token"`` to rank single tokens), optionally after a dtype
+    (``"int8+knorm:64"``)."""
     options: dict[str, Any] = {}
     for part in method.split("+"):
         if ":" in part:
             press, budget = part.split(":", 1)
-            if not budget.isdigit():
-                raise ValueError(f"a method's budget must be a number of tokens, got {part!r}")
+            budget, _, granularity = budget.partition("@")
+            if not budget.isdigit() or granularity not in ("", "block", "token"):
+                raise ValueError(f"a method's budget must be a number of tokens, optionally followed by @token or "
+                                 f"@block, got {part!r}")
             # One token per step: decode mode, so eviction happens as the text streams in.
-            options |= {"kv_eviction": press, "kv_budget": int(budget), "max_num_batched_tokens": 1}
+            options |= {"kv_eviction": press, "kv_budget": int(budget), "max_num_batched_tokens": 1,
+                        "kv_eviction_granularity": granularity or "block"}
         elif part != "auto":
             options["kv_cache_dtype"] = part
     return options
