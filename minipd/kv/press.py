@@ -99,16 +99,23 @@ class RandomPress(KVPress):
 
 class H2OPress(KVPress):
     """Heavy hitters (H2O, Zhang et al., 2023): keep the blocks whose tokens received the most attention
-    from every query so far, and the newest block, which has not yet had time to collect any."""
+    from every query so far, and the ``recent`` newest tokens (at least the newest block), which have not
+    yet had time to collect any. At token granularity the recent window matters: without it, old tokens
+    (seen by more queries) crowd out the local context."""
 
     name = "h2o"
-    needs_keys = False
     needs_attention = True
+    needs_keys = False
+
+    def __init__(self, recent: int = 16) -> None:
+        self.recent = recent
 
     def score(self, keys: torch.Tensor, first_positions: list[int], num_tokens: int, *,
               attention: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
         scores = attention.clone() if attention is not None else torch.zeros(len(first_positions))
-        scores[max(range(len(first_positions)), key=first_positions.__getitem__)] = float("inf")
+        newest = sorted(range(len(first_positions)), key=first_positions.__getitem__)
+        for i in newest[-max(1, self.recent // keys.shape[2]):]:  # keys.shape[2]: tokens per ranked item
+            scores[i] = float("inf")
         return scores
 
 
