@@ -13,8 +13,9 @@ from typing import Any
 
 #: HF ``model_type`` values of the dense decoder families minipd implements.
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-#: Mixture-of-experts families: the same attention, with a routed set of SwiGLU experts as the MLP.
-MOE_FAMILIES = ("mixtral",)
+#: Mixture-of-experts families: the same attention, with a routed set of SwiGLU experts as the MLP
+#: (Qwen2-MoE adds an always-on shared expert behind a sigmoid gate).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 #: Fields every ``config.json`` must give, each a positive integer.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -62,11 +63,28 @@ class ModelConfig:
     #: Mixture of experts: experts per layer (0 for a dense MLP) and how many each token uses.
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    #: Each expert's hidden width (Qwen-MoE's ``moe_intermediate_size``; 0: ``intermediate_size``).
+    moe_intermediate_size: int = 0
+    #: Qwen2-MoE's shared expert, run for every token behind a sigmoid gate (0: none).
+    shared_expert_intermediate_size: int = 0
+    #: Rescale the kept top-k probabilities to sum to 1 (Mixtral always; Qwen-MoE's ``norm_topk_prob``).
+    norm_topk_prob: bool = True
+    #: Per layer: True where the MLP is the mixture (Qwen-MoE may keep dense MLPs in some layers).
+    moe_layers: tuple[bool, ...] = ()
 
     @property
     def is_moe(self) -> bool:
-        """True when the MLP of each layer is a routed mixture of experts."""
+        """True when the MLP of some layer is a routed mixture of experts."""
         return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts."""
+        return self.moe_layers[layer] if self.moe_layers else self.is_moe
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The hidden width of one routed expert."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def gqa_group_size(self) -> int:
@@ -111,15 +129,13 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope=_read_rope(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=_qkv_bias(raw, model_type),
+            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and bool(raw.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_windows=_read_sliding_windows(raw, layers),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
-            num_experts=raw.get("num_local_experts", 0) if model_type in MOE_FAMILIES else 0,
-            num_experts_per_tok=raw.get("num_experts_per_tok", 0) if model_type in MOE_FAMILIES else 0,
+            **_read_moe(raw, model_type, layers),
         )
 
     @classmethod
@@ -172,6 +188,37 @@ def _read_rope(raw: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings"),
     )
+
+
+def _qkv_bias(raw: dict[str, Any], model_type: str) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE unless ``qkv_bias`` says not; the other families say so with
+    ``attention_bias`` (which then covers o_proj too)."""
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return raw.get("qkv_bias", True) is not False
+    return bool(raw.get("attention_bias", False))
+
+
+def _read_moe(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelConfig` (all defaults for a dense family)."""
+    if model_type not in MOE_FAMILIES:
+        return {}
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    if model_type == "mixtral":
+        return {"num_experts": experts, "num_experts_per_tok": raw.get("num_experts_per_tok", 0)}
+    # Qwen-MoE: a layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer.
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = raw.get("decoder_sparse_step") or 1
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 0),
+        "moe_intermediate_size": raw.get("moe_intermediate_size") or 0,
+        "shared_expert_intermediate_size": (raw.get("shared_expert_intermediate_size") or 0
+                                            if model_type == "qwen2_moe" else 0),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "moe_layers": tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
+    }
 
 
 def _read_sliding_windows(raw: dict[str, Any], layers: int) -> tuple[int | None, ...]:

@@ -26,7 +26,7 @@ def save_tokenizer(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_config(family: str, tie: bool = False, **overrides):
@@ -45,9 +45,17 @@ def hf_config(family: str, tie: bool = False, **overrides):
         "qwen2": dict(),
         "qwen3": dict(head_dim=16),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        # A shared expert; layer 1 of 3 keeps a dense MLP; top-k probabilities not renormalised.
+        "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                          shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[1],
+                          num_hidden_layers=3),
+        # Every other layer sparse (decoder_sparse_step 2), renormalised top-k, q/k norms.
+        "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
+                          decoder_sparse_step=2, num_hidden_layers=4, head_dim=16),
     }[family]
     name = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-            "qwen3": "Qwen3Config", "mixtral": "MixtralConfig"}[family]
+            "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+            "qwen3_moe": "Qwen3MoeConfig"}[family]
     return getattr(transformers, name)(**{**common, **extra, **overrides})
 
 

@@ -23,6 +23,8 @@ CASES = [
     ("qwen3", False, "60KB"),
     ("llama-bias", False, None),  # attention_bias: q/k/v and o_proj biases
     ("mixtral", False, None),  # mixture of experts
+    ("qwen2_moe", False, None),  # a gated shared expert, a dense layer, top-k not renormalised
+    ("qwen3_moe", True, "60KB"),  # every other layer sparse, q/k norms, tied, sharded
 ]
 
 
@@ -82,3 +84,26 @@ def test_greedy_generation_matches_hf_generate(models):
         expected = ref[0, len(ids):].tolist()
         assert out.token_ids == expected
         assert out.finish_reason == ("stop" if expected[-1] == 0 and len(expected) < 32 else "length")
+
+
+@pytest.mark.parametrize(("family", "sparse", "shared"), [("qwen2_moe", [True, False, True], True),
+                                                         ("qwen3_moe", [False, True, False, True], False)])
+def test_qwen_moe_layers_are_sparse_where_the_config_says(tmp_path, family, sparse, shared):
+    """mlp_only_layers and decoder_sparse_step decide which layers route; Qwen2-MoE adds a gated shared
+    expert; a checkpoint missing the shared expert's gate is refused by name."""
+    from minipd.layers.moe import MoE
+
+    make_hf_model(tmp_path, family)
+    ours, _ = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    assert [isinstance(layer.mlp, MoE) for layer in ours.layers] == sparse
+    moe = next(layer.mlp for layer in ours.layers if isinstance(layer.mlp, MoE))
+    assert (moe.shared_expert is not None) == shared
+    assert moe.router.renormalize == (family == "qwen3_moe")
+    if shared:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(tmp_path / "model.safetensors")
+        del tensors["model.layers.0.mlp.shared_expert_gate.weight"]
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match="layers.0.mlp.shared_expert_gate.weight"):
+            load_model(tmp_path, device="cpu")

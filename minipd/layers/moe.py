@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from minipd.layers.mlp import SwiGLU
 from minipd.moe.dispatch import Dispatcher, LocalDispatcher
 from minipd.moe.experts import Implementation, StackedExperts
 from minipd.moe.router import Router, SigmoidGroupedRouter, SoftmaxRouter
@@ -25,12 +26,13 @@ class MoE(nn.Module):
     ``topk_group``, ``routed_scaling_factor``, and ``renormalize`` as ``norm_topk_prob``).
     ``implementation`` picks the experts' matmul path (see :class:`~minipd.moe.experts.StackedExperts`)
     and ``dispatcher`` replaces the local one (e.g. with an expert-parallel all-to-all).
+    ``shared_expert_intermediate_size`` adds Qwen2-MoE's shared expert and its sigmoid gate.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  scoring: Literal["softmax", "sigmoid"] = "softmax", renormalize: bool = True, n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, implementation: Implementation = "auto",
-                 dispatcher: Dispatcher | None = None) -> None:
+                 dispatcher: Dispatcher | None = None, shared_expert_intermediate_size: int = 0) -> None:
         super().__init__()
         self.router: Router
         if scoring == "softmax":
@@ -44,6 +46,12 @@ class MoE(nn.Module):
             raise ValueError(f"unknown router scoring {scoring!r} (expected 'softmax' or 'sigmoid')")
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher(num_experts)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, implementation)
+        # Qwen2-MoE: one more SwiGLU that every token goes through, scaled by a per-token sigmoid gate.
+        self.shared_expert: SwiGLU | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     @property
     def top_k(self) -> int:
@@ -56,4 +64,6 @@ class MoE(nn.Module):
         weights, expert_ids = self.router(hidden)
         batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
         out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]
         return out.view(x.shape)

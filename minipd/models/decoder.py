@@ -1,8 +1,9 @@
-"""One decoder-only transformer covering Llama, Mistral, Qwen2, Qwen3 and Mixtral.
+"""One decoder-only transformer covering Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 The families differ in a few switches read from :class:`~minipd.config.ModelConfig`: q/k/v
 biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral), llama3 RoPE
-scaling, tied embeddings, and a routed mixture of experts in place of the MLP (Mixtral).
+scaling, tied embeddings, and a routed mixture of experts in place of the MLP (Mixtral; in some
+layers only and with a gated shared expert for the Qwen-MoE families).
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.is_moe:
-            self.mlp: nn.Module = MoE(config.hidden_size, config.intermediate_size, config.num_experts,
-                                      config.num_experts_per_tok)
+        if config.layer_is_moe(layer_idx):
+            self.mlp: nn.Module = MoE(config.hidden_size, config.expert_intermediate_size, config.num_experts,
+                                      config.num_experts_per_tok, renormalize=config.norm_topk_prob,
+                                      shared_expert_intermediate_size=config.shared_expert_intermediate_size)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 

@@ -98,11 +98,22 @@ def _target(model: DecoderModel, hf_name: str) -> tuple[str, Index] | None:
         return prefix + "mlp.router." + ".".join(parts[2:]), None
     if parts[0] == "block_sparse_moe" and parts[1] == "experts":
         # Per-expert Mixtral tensors: w1 (gate) and w3 (up) are halves of expert e's gate_up rows, w2 its down_proj.
-        expert, which = int(parts[2]), parts[3]
+        expert, which, width = int(parts[2]), parts[3], cfg.expert_intermediate_size
         if which == "w2":
             return prefix + "mlp.experts.down_proj", expert
-        half = slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+        half = slice(0, width) if which == "w1" else slice(width, 2 * width)
         return prefix + "mlp.experts.gate_up_proj", (expert, half)
+    if parts[0] == "mlp" and parts[1] == "experts" and len(parts) == 5:
+        # Per-expert Qwen-MoE tensors: gate_proj and up_proj are halves of expert e's gate_up rows.
+        expert, which, width = int(parts[2]), parts[3], cfg.expert_intermediate_size
+        if which == "down_proj":
+            return prefix + "mlp.experts.down_proj", expert
+        half = slice(0, width) if which == "gate_proj" else slice(width, 2 * width)
+        return prefix + "mlp.experts.gate_up_proj", (expert, half)
+    if parts[0] == "mlp" and parts[1] == "shared_expert" and parts[2] in ("gate_proj", "up_proj"):
+        width = cfg.shared_expert_intermediate_size
+        half = slice(0, width) if parts[2] == "gate_proj" else slice(width, 2 * width)
+        return prefix + "mlp.shared_expert.gate_up_proj.weight", half
     if parts[0] == "mlp" and parts[1] == "experts" and len(parts) == 3:
         # transformers 5 stores all experts of a layer as one (E, out, in) tensor: our layout exactly.
         return prefix + f"mlp.experts.{parts[2]}", None
