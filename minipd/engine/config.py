@@ -28,6 +28,10 @@ class EngineConfig:
         scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
+        moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
+            expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
+            ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
+            where native on CUDA, else the loop). It sets the model's MoE layers.
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
             ``"float16"`` (``"fp16"``) or ``"bfloat16"`` (``"bf16"``) — independent of the model's
             dtype — or quantized with scales: ``"int8"`` or ``"fp8"`` (e4m3), a scale per token per KV
@@ -62,6 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
+    moe_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_adaptive_format: str = "int8"
     kv_adaptive_thresholds: tuple[float, float] = (0.5, 0.7)
@@ -93,6 +98,11 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_policy()
         self._check_backend()
+        from minipd.moe.experts import IMPLEMENTATIONS
+
+        if self.moe_backend not in IMPLEMENTATIONS:
+            raise ValueError(f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+                             f"got {self.moe_backend!r}")
         from minipd.kv.spec import KV_CACHE_DTYPES as kv_dtypes
 
         if self.kv_cache_dtype not in (*kv_dtypes, "adaptive"):

@@ -15,6 +15,7 @@ requests go back to waiting and nothing it half-wrote is ever registered for pre
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
 from minipd.kv.spec import KVSpec
+from minipd.layers.moe import MoE
 from minipd.models.decoder import DecoderModel
 
 logger = logging.getLogger("minipd")
@@ -61,6 +63,7 @@ class EngineCore:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.kernels = get_backend(config.kernel_backend, self.device)
+        self._set_moe_backend(model, config.moe_backend)
         adaptive = config.kv_cache_dtype == "adaptive"
         self.kv_spec = KVSpec.from_name(model.config, config.block_size, "auto" if adaptive else config.kv_cache_dtype,
                                         self.dtype)
@@ -102,6 +105,15 @@ class EngineCore:
         #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
+
+    def _set_moe_backend(self, model: DecoderModel, backend: str) -> None:
+        """Point every MoE layer of ``model`` at ``backend`` (checked to run on this device)."""
+        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("moe_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before triton is "
+                             "imported to run it (slowly) on the CPU")
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.experts.implementation = backend  # type: ignore[assignment]
 
     @property
     def num_residual_slots(self) -> int:

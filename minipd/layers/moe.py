@@ -62,8 +62,13 @@ class MoE(nn.Module):
         """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
-        batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
-        out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
+        if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher):
+            from minipd.kernels.fused_moe import fused_moe_triton
+
+            out = fused_moe_triton(hidden, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
+            out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]
         return out.view(x.shape)

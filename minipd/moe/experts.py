@@ -4,7 +4,7 @@
 :class:`minipd.layers.mlp.SwiGLU`'s fused projection; ``down_proj`` is (E, H, I). Stacked weights let
 one grouped matmul serve every expert, and they are the layout transformers 5 stores MoE weights in.
 
-Two ways to run them, same result:
+Two ways to run them here, same result (a third, a fused Triton kernel, in :mod:`minipd.kernels.fused_moe`):
 
 * ``"grouped_mm"``: ``torch._grouped_mm`` with group offsets computed on the device, so the layer never
   waits for the host. Used on CUDA for bf16 on sm90/sm100 GPUs, where torch has a fused grouped kernel;
@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Implementation = Literal["auto", "grouped_mm", "loop"]
+Implementation = Literal["auto", "grouped_mm", "loop", "triton"]
+#: Every implementation, from the plain reference to the fused kernel (``moe_backend=``).
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "loop", "grouped_mm", "triton")
 
 
 @functools.cache  # asked by every MoE layer in every forward: answer once per setting
@@ -62,14 +64,17 @@ class StackedExperts(nn.Module):
     """``num_experts`` SwiGLU experts; :meth:`forward` maps rows grouped by expert to their outputs.
 
     ``implementation`` picks the path: ``"auto"`` (grouped on CUDA where native, else the loop),
-    ``"grouped_mm"`` or ``"loop"`` (forced, e.g. to compare them).
+    ``"grouped_mm"`` or ``"loop"`` (forced, e.g. to compare them). ``"triton"`` is run by the MoE layer
+    itself (:mod:`minipd.kernels.fused_moe`: it permutes and multiplies in one pass, so it bypasses
+    the dispatcher's copy); called here it falls back to the loop.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  implementation: Implementation = "auto") -> None:
         super().__init__()
-        if implementation not in ("auto", "grouped_mm", "loop"):
-            raise ValueError(f"unknown experts implementation {implementation!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+                             f"got {implementation!r}")
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.implementation = implementation
@@ -85,7 +90,7 @@ class StackedExperts(nn.Module):
 
     def uses_grouped_mm(self, hidden: torch.Tensor) -> bool:
         """Which path :meth:`forward` takes for ``hidden``."""
-        if self.implementation != "auto":
+        if self.implementation in ("loop", "grouped_mm", "triton"):
             return self.implementation == "grouped_mm"
         return hidden.device.type == "cuda" and grouped_mm_supported(
             hidden.device, self.gate_up_proj.dtype, hidden.shape[-1], 2 * self.intermediate_size,
