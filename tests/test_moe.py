@@ -380,3 +380,34 @@ def test_missing_expert_tensor_is_reported(mixtral_checkpoint, tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.gate_up_proj"):
         load_model(tmp_path, device="cpu", dtype=torch.float32)
+
+
+def test_routing_is_recorded_per_step_and_layer_when_asked():
+    """tokens per expert sum to tokens x top_k in every MoE layer of every step, match the router run on
+    the layer's own input, and the entropy lies between 0 and log(top_k)."""
+    import math
+
+    from minipd import LLM, SamplingParams
+
+    llm = LLM("tiny-py-moe", record_routing=True, enable_prefix_caching=False)
+    core = llm.engine.core
+    layer0 = core.moe_layers[0]
+    seen: list[torch.Tensor] = []
+    width = llm.config.hidden_size
+    handle = layer0.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().reshape(-1, width)))
+    llm.generate(["def main(argv):\n    return 0\n"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    handle.remove()
+    stats = list(core.step_stats)
+    k, experts = layer0.top_k, layer0.router.num_experts
+    assert len(stats) == 6 and all(len(s.expert_counts) == len(core.moe_layers) for s in stats)
+    for s in stats:
+        tokens = s.num_tokens
+        assert all(sum(c) == tokens * k and len(c) == experts for c in s.expert_counts)
+        assert all(0 <= e <= math.log(k) + 1e-6 for e in s.router_entropy)
+    for step, hidden in zip(stats, seen, strict=True):
+        _, ids = layer0.router(hidden)
+        assert tuple(torch.bincount(ids.reshape(-1), minlength=experts).tolist()) == step.expert_counts[0]
+    plain = LLM("tiny-py-moe")
+    plain.generate(["x = 1"], SamplingParams(max_tokens=2))
+    assert plain.engine.core.step_stats[-1].expert_counts == ()
+

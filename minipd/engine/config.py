@@ -32,6 +32,8 @@ class EngineConfig:
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
             ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
             where native on CUDA, else the loop). It sets the model's MoE layers.
+        record_routing: keep each step's routing per MoE layer (tokens per expert, top-k weight entropy)
+            in the step stats (costs a device-to-host copy per MoE layer per step).
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
             ``"float16"`` (``"fp16"``) or ``"bfloat16"`` (``"bf16"``) — independent of the model's
             dtype — or quantized with scales: ``"int8"`` or ``"fp8"`` (e4m3), a scale per token per KV
@@ -67,6 +69,7 @@ class EngineConfig:
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
     moe_backend: str = "auto"
+    record_routing: bool = False
     kv_cache_dtype: str = "auto"
     kv_adaptive_format: str = "int8"
     kv_adaptive_thresholds: tuple[float, float] = (0.5, 0.7)
@@ -94,6 +97,8 @@ class EngineConfig:
             if not whole or memory < 1:
                 raise ValueError(f"kv_cache_memory must be None or a positive whole number of bytes, got {memory!r}")
             self.kv_cache_memory = int(memory)
+        if not isinstance(self.record_routing, bool):
+            raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_policy()

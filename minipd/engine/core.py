@@ -111,9 +111,10 @@ class EngineCore:
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("moe_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before triton is "
                              "imported to run it (slowly) on the CPU")
-        for module in model.modules():
-            if isinstance(module, MoE):
-                module.experts.implementation = backend  # type: ignore[assignment]
+        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
+        for module in self.moe_layers:
+            module.experts.implementation = backend  # type: ignore[assignment]
+            module.routing_log = [] if self.config.record_routing else None
 
     @property
     def num_residual_slots(self) -> int:
@@ -380,7 +381,8 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_free=self.block_manager.num_free_blocks,
             prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
-            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats()))
+            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats(),
+            **self._routing_stats()))
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
     def _compress_one(self) -> bool:
@@ -392,6 +394,20 @@ class EngineCore:
         pages, parts = self.block_manager.compress(request.blocks)  # type: ignore[union-attr]
         self.pool.compress_pages(pages, parts)  # type: ignore[attr-defined]
         return True
+
+    def _routing_stats(self) -> dict:
+        """This step's routing per MoE layer (summed over the layer's calls), when recorded."""
+        if not self.config.record_routing or not self.moe_layers:
+            return {}
+        counts, entropy = [], []
+        for layer in self.moe_layers:
+            log, layer.routing_log = layer.routing_log or [], []
+            total = sum((c for c, _ in log), torch.zeros(layer.router.num_experts, dtype=torch.int64))
+            tokens = [int(c.sum()) for c, _ in log]
+            counts.append(tuple(total.tolist()))
+            # Calls weighted by their tokens (one call per step, unless the step is split in micro-batches).
+            entropy.append(sum(e * n for (_, e), n in zip(log, tokens, strict=True)) / max(1, sum(tokens)))
+        return {"expert_counts": tuple(counts), "router_entropy": tuple(entropy)}
 
     def _adaptive_stats(self) -> dict:
         bm = self.block_manager

@@ -32,6 +32,10 @@ class StepStats:
     kv_format_switches: int = 0
     num_compressed_running: int = 0
     kv_compressions: int = 0
+    #: Mixture of experts with ``record_routing=True``: per MoE layer, the tokens each expert got this step
+    #: and the mean entropy (nats) of the tokens' top-k weights.
+    expert_counts: tuple[tuple[int, ...], ...] = ()
+    router_entropy: tuple[float, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,10 @@ class MoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
+    #: When a list: each forward appends ``(tokens per expert (E,), mean entropy of the top-k weights)``,
+    #: both on the host (``record_routing=True`` turns it on in the engine; it costs a sync per layer).
+    routing_log: list[tuple[torch.Tensor, float]] | None = None
+
     @property
     def top_k(self) -> int:
         """Experts per token."""
@@ -62,6 +66,8 @@ class MoE(nn.Module):
         """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
+        if self.routing_log is not None:
+            self.routing_log.append(routing_summary(weights, expert_ids, self.router.num_experts))
         if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher):
             from minipd.kernels.fused_moe import fused_moe_triton
 
@@ -72,3 +78,14 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]
         return out.view(x.shape)
+
+
+def routing_summary(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, float]:
+    """Tokens sent to each expert (E,) and the mean entropy (nats) of each token's top-k weights, renormalised:
+    0 when one expert takes all the weight, ``log(top_k)`` when the weight is split evenly."""
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).cpu()
+    if weights.numel() == 0:
+        return counts, 0.0
+    p = weights.float() / weights.float().sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    entropy = -(p * p.clamp_min(1e-20).log()).sum(dim=-1).mean()
+    return counts, float(entropy)
