@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from minipd.bench import make_workload
 
 
@@ -46,3 +48,17 @@ def test_pd_bench_prints_interference_and_transfer_figures():
     bad = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", "pd", "--rounds", "0"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--rounds must be at least 1" in bad.stderr
+
+
+def test_the_moe_ladder_times_every_path_that_runs_here(capsys):
+    from minipd.bench_moe import backends, main
+
+    assert main("tiny-py-moe", scale=0.05) == 0
+    out = capsys.readouterr().out
+    paths = backends()
+    assert "loop" in paths and ("triton" in paths) == torch.cuda.is_available()
+    rows = [line for line in out.splitlines() if line.strip().endswith("x") and "tokens" not in line]
+    assert len(rows) == 2 * 2 * len(paths)  # two layers, two batch sizes
+    assert all(line.strip().endswith("1.00x") for line in rows if " loop " in line)
+    if not torch.cuda.is_available():
+        assert "triton (fused kernel): not run, it needs a CUDA GPU" in out
