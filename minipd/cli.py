@@ -67,6 +67,12 @@ def _kvquality(args: argparse.Namespace) -> int:
     return quality_main(args.quality_args)
 
 
+def _moebalance(args: argparse.Namespace) -> int:
+    from minipd.moe.balance import main as balance_main
+
+    return balance_main(args.balance_args)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage mistakes reach :func:`main` as ``ValueError``, reported like every other error."""
 
@@ -110,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(see `python -m minipd kvquality -h`)", add_help=False)
     quality.add_argument("quality_args", nargs=argparse.REMAINDER)
     quality.set_defaults(func=_kvquality)
+    balance = sub.add_parser("moebalance", help="how unevenly a MoE model loads its experts, and what capping "
+                             "it costs (see `python -m minipd moebalance -h`)", add_help=False)
+    balance.add_argument("balance_args", nargs=argparse.REMAINDER)
+    balance.set_defaults(func=_moebalance)
     return parser
 
 
@@ -126,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(argparse.Namespace(bench_args=argv[1:]))
         if argv[:1] == ["kvquality"]:  # likewise
             return _kvquality(argparse.Namespace(quality_args=argv[1:]))
+        if argv[:1] == ["moebalance"]:
+            return _moebalance(argparse.Namespace(balance_args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:

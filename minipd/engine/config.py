@@ -32,6 +32,9 @@ class EngineConfig:
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
             ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
             where native on CUDA, else the loop). It sets the model's MoE layers.
+        moe_capacity_factor: bound every expert's load per step at this multiple of an even share (None:
+            no bound); ``moe_overflow`` says what happens to assignments over it: ``"drop"`` or
+            ``"reroute"`` (to the token's next-best expert with room). See :mod:`minipd.moe.capacity`.
         record_routing: keep each step's routing per MoE layer (tokens per expert, top-k weight entropy)
             in the step stats (costs a device-to-host copy per MoE layer per step).
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
@@ -69,6 +72,8 @@ class EngineConfig:
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
     moe_backend: str = "auto"
+    moe_capacity_factor: float | None = None
+    moe_overflow: str = "drop"
     record_routing: bool = False
     kv_cache_dtype: str = "auto"
     kv_adaptive_format: str = "int8"
@@ -97,6 +102,11 @@ class EngineConfig:
             if not whole or memory < 1:
                 raise ValueError(f"kv_cache_memory must be None or a positive whole number of bytes, got {memory!r}")
             self.kv_cache_memory = int(memory)
+        if self.moe_capacity_factor is not None and (not is_real(self.moe_capacity_factor)
+                                                     or not self.moe_capacity_factor > 0):
+            raise ValueError(f"moe_capacity_factor must be None or a positive number, got {self.moe_capacity_factor!r}")
+        if self.moe_overflow not in ("drop", "reroute"):
+            raise ValueError(f"moe_overflow must be 'drop' or 'reroute', got {self.moe_overflow!r}")
         if not isinstance(self.record_routing, bool):
             raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -107,7 +107,8 @@ class EngineCore:
         self.num_evicted_tokens = 0
 
     def _set_moe_backend(self, model: DecoderModel, backend: str) -> None:
-        """Point every MoE layer of ``model`` at ``backend`` (checked to run on this device)."""
+        """Point every MoE layer of ``model`` at ``backend`` (checked to run on this device), and give it the
+        capacity and routing-record settings of the config."""
         if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("moe_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before triton is "
                              "imported to run it (slowly) on the CPU")
@@ -115,6 +116,8 @@ class EngineCore:
         for module in self.moe_layers:
             module.experts.implementation = backend  # type: ignore[assignment]
             module.routing_log = [] if self.config.record_routing else None
+            module.capacity_factor = self.config.moe_capacity_factor
+            module.overflow = self.config.moe_overflow
 
     @property
     def num_residual_slots(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from minipd.layers.mlp import SwiGLU
+from minipd.moe.capacity import enforce_capacity
 from minipd.moe.dispatch import Dispatcher, LocalDispatcher
 from minipd.moe.experts import Implementation, StackedExperts
 from minipd.moe.router import Router, SigmoidGroupedRouter, SoftmaxRouter
@@ -56,6 +57,10 @@ class MoE(nn.Module):
     #: When a list: each forward appends ``(tokens per expert (E,), mean entropy of the top-k weights)``,
     #: both on the host (``record_routing=True`` turns it on in the engine; it costs a sync per layer).
     routing_log: list[tuple[torch.Tensor, float]] | None = None
+    #: Inference-time expert capacity (see :mod:`minipd.moe.capacity`): None for none, else its factor,
+    #: and what happens to the assignments over it (``"drop"`` or ``"reroute"``).
+    capacity_factor: float | None = None
+    overflow: str = "drop"
 
     @property
     def top_k(self) -> int:
@@ -66,12 +71,22 @@ class MoE(nn.Module):
         """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
+        capped = self.capacity_factor is not None
+        if capped:
+            if not isinstance(self.router, SoftmaxRouter) or not isinstance(self.dispatcher, LocalDispatcher):
+                raise ValueError("moe_capacity_factor needs a softmax router and local experts")
+            weights, expert_ids = enforce_capacity(self.router.probabilities(hidden), weights, expert_ids,
+                                                   self.capacity_factor, self.overflow,  # type: ignore[arg-type]
+                                                   self.router.renormalize)
         if self.routing_log is not None:
             self.routing_log.append(routing_summary(weights, expert_ids, self.router.num_experts))
-        if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher):
+        if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher) and not capped:
             from minipd.kernels.fused_moe import fused_moe_triton
 
             out = fused_moe_triton(hidden, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        elif capped:
+            batch = self.dispatcher.dispatch(hidden, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
+            out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         else:
             batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
             out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
@@ -83,7 +98,8 @@ class MoE(nn.Module):
 def routing_summary(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, float]:
     """Tokens sent to each expert (E,) and the mean entropy (nats) of each token's top-k weights, renormalised:
     0 when one expert takes all the weight, ``log(top_k)`` when the weight is split evenly."""
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).cpu()
+    ids = expert_ids.reshape(-1)
+    counts = torch.bincount(ids[ids >= 0], minlength=num_experts).cpu()  # -1: dropped over capacity
     if weights.numel() == 0:
         return counts, 0.0
     p = weights.float() / weights.float().sum(dim=-1, keepdim=True).clamp_min(1e-20)

@@ -73,13 +73,21 @@ class LocalDispatcher(Dispatcher[LocalExpertBatch]):
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
 
-    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> LocalExpertBatch:
+    def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                 dropped: bool = False) -> LocalExpertBatch:
+        """As :meth:`Dispatcher.dispatch`; with ``dropped``, ids of -1 mark slots to skip (over an expert's
+        capacity): they get no row, and counting the kept ones costs one host sync."""
         flat_ids = expert_ids.reshape(-1)
+        if dropped:  # skipped slots sort last, out of every expert's run
+            flat_ids = torch.where(flat_ids < 0, self.num_experts, flat_ids)
         # Stable, so within an expert the rows keep token order (deterministic, and easy to read).
         order = flat_ids.argsort(stable=True)
         # scatter_add rather than bincount: CUDA bincount reads the max id on the host to size its output.
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_ids.device)
+        counts = torch.zeros(self.num_experts + dropped, dtype=torch.int64, device=flat_ids.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        if dropped:
+            counts = counts[:self.num_experts]
+            order = order[:int(counts.sum())]
         rows = hidden.index_select(0, order // expert_ids.shape[-1])
         return LocalExpertBatch(hidden=rows, counts=counts, order=order, weights=weights)
 
@@ -87,6 +95,9 @@ class LocalDispatcher(Dispatcher[LocalExpertBatch]):
         tokens, k = batch.weights.shape
         # Un-permute with a scatter (order is a permutation, so no two rows collide), then a weighted sum
         # over each token's k slots: deterministic, unlike an atomic index_add over the sorted rows.
-        by_slot = torch.empty_like(expert_out).index_copy_(0, batch.order, expert_out)
+        # Skipped slots (fewer rows than slots) stay zero.
+        by_slot = expert_out.new_zeros(tokens * k, expert_out.shape[-1]) if expert_out.shape[0] < tokens * k \
+            else torch.empty_like(expert_out)
+        by_slot.index_copy_(0, batch.order, expert_out)
         weighted = by_slot.view(tokens, k, expert_out.shape[-1]) * batch.weights.to(expert_out.dtype).unsqueeze(-1)
         return weighted.sum(dim=1)

@@ -99,6 +99,10 @@ class SoftmaxRouter(Router):
         # Logits in the model's dtype, as the reference implementations compute them; softmax in fp32.
         return softmax_topk(F.linear(hidden, self.weight), self.top_k, self.renormalize)
 
+    def probabilities(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(T, E) fp32 softmax over every expert (what rerouting an overflowing token ranks by)."""
+        return F.softmax(F.linear(hidden, self.weight).float(), dim=-1)
+
 
 class SigmoidGroupedRouter(Router):
     """Sigmoid scores with a selection-only bias and grouped top-k (DeepSeek-V3); see :func:`sigmoid_grouped_topk`.

@@ -1,0 +1,105 @@
+"""How unevenly a MoE model loads its experts, and what capping the load costs: ``python -m minipd moebalance``.
+
+:func:`measure_load` runs held-out text through a MoE model with ``record_routing`` and sums each
+layer's tokens per expert. Imbalance is read two ways: the hottest expert's load over the mean (what
+sets the pace when every expert sits on its own device) and the coefficient of variation.
+
+:func:`capacity_table` then caps the load (:mod:`minipd.moe.capacity`) at a few factors, dropping or
+rerouting the overflow, and prices each setting with :mod:`minipd.kv.quality`'s measures against
+unconstrained routing: perplexity change, KL of next-token distributions, greedy agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LoadReport:
+    """Tokens per expert in every MoE layer, over the text measured."""
+
+    #: (layers, experts) assignments.
+    counts: torch.Tensor
+
+    @property
+    def max_over_mean(self) -> list[float]:
+        """Per layer: the hottest expert's load over the mean load (1.0 is perfectly even)."""
+        c = self.counts.float()
+        return (c.max(dim=1).values / c.mean(dim=1)).tolist()
+
+    @property
+    def coefficient_of_variation(self) -> list[float]:
+        """Per layer: the standard deviation of the loads over their mean."""
+        c = self.counts.float()
+        return (c.std(dim=1, unbiased=False) / c.mean(dim=1)).tolist()
+
+
+def measure_load(model: str = "tiny-py-moe", window: int = 256, num_windows: int = 4, **options: Any) -> LoadReport:
+    """Route ``num_windows`` held-out windows through ``model`` (engine ``options`` too) and count."""
+    from minipd import LLM, SamplingParams
+    from minipd.kv.quality import windows
+
+    llm = LLM(model, record_routing=True, enable_prefix_caching=False, **options)
+    total = None
+    for ids in windows(llm.tokenizer, window, num_windows):
+        llm.engine.core.step_stats.clear()
+        llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
+        for stats in llm.engine.core.step_stats:
+            counts = torch.tensor(stats.expert_counts)
+            total = counts if total is None else total + counts
+    if total is None:
+        raise ValueError(f"{model} recorded no routing: is it a mixture-of-experts model?")
+    return LoadReport(total)
+
+
+#: The capacity settings compared by default: (name, engine options).
+CAPACITY_SETTINGS: dict[str, dict[str, Any]] = {
+    f"cap {factor} {policy}": {"moe_capacity_factor": factor, "moe_overflow": policy}
+    for factor in (1.0, 1.5, 2.0) for policy in ("drop", "reroute")
+}
+
+
+def capacity_table(model: str = "tiny-py-moe", settings: dict[str, dict[str, Any]] | None = None,
+                   num_windows: int = 4, progress: bool = True) -> list[tuple[str, Any, LoadReport]]:
+    """For unconstrained routing (``"auto"``) and each capacity setting: the quality report and the load."""
+    from minipd.kv.quality import measure
+
+    settings = settings or CAPACITY_SETTINGS
+    reports = measure(model, list(settings), num_windows=num_windows, greedy_prompts=2, greedy_tokens=64,
+                      num_probes=2, options=settings, progress=progress)
+    loads = {"auto": measure_load(model, num_windows=num_windows)}
+    loads |= {name: measure_load(model, num_windows=num_windows, **options) for name, options in settings.items()}
+    return [(r.method, r, loads[r.method]) for r in reports]
+
+
+def format_capacity_table(rows: Sequence[tuple[str, Any, LoadReport]]) -> str:
+    """One line per setting: load imbalance (mean over layers) and the quality measures."""
+    lines = [f"{'routing':>18} {'max/mean':>9} {'CV':>6} {'Δppl':>8} {'KL':>9} {'greedy=':>8} {'equal':>6}"]
+    for name, report, load in rows:
+        lines.append(f"{name:>18} {statistics.mean(load.max_over_mean):9.2f} "
+                     f"{statistics.mean(load.coefficient_of_variation):6.2f} {100 * report.perplexity_change:+7.2f}% "
+                     f"{report.mean_kl:9.2e} {report.greedy_prefix:8.1f} {report.greedy_equal:6.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m minipd moebalance [--model M] [--windows N]``: per-layer imbalance, then the capacity table."""
+    parser = argparse.ArgumentParser(prog="python -m minipd moebalance", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-py-moe")
+    parser.add_argument("--windows", type=int, default=4, help="held-out windows of 256 tokens")
+    args = parser.parse_args(argv)
+    if args.windows < 1:
+        parser.error("--windows must be at least 1")
+    load = measure_load(args.model, num_windows=args.windows)
+    print(f"[moebalance] {args.model}, {args.windows} held-out windows of 256 tokens")
+    for layer, (ratio, cv) in enumerate(zip(load.max_over_mean, load.coefficient_of_variation, strict=True)):
+        print(f"  layer {layer}: hottest expert {ratio:.2f}x the mean load, CV {cv:.2f}, loads "
+              f"{load.counts[layer].tolist()}")
+    print(format_capacity_table(capacity_table(args.model, num_windows=args.windows)))
+    return 0
