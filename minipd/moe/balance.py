@@ -4,9 +4,11 @@
 layer's tokens per expert. Imbalance is read two ways: the hottest expert's load over the mean (what
 sets the pace when every expert sits on its own device) and the coefficient of variation.
 
-:func:`capacity_table` then caps the load (:mod:`minipd.moe.capacity`) at a few factors, dropping or
-rerouting the overflow, and prices each setting with :mod:`minipd.kv.quality`'s measures against
-unconstrained routing: perplexity change, KL of next-token distributions, greedy agreement.
+:func:`format_placement_table` places the experts on devices from that load, with and without
+replicas of the hot ones (:mod:`minipd.moe.placement`). :func:`capacity_table` caps the load
+(:mod:`minipd.moe.capacity`) at a few factors, dropping or rerouting the overflow, and prices each
+setting with :mod:`minipd.kv.quality`'s measures against unconstrained routing: perplexity change,
+KL of next-token distributions, greedy agreement.
 """
 
 from __future__ import annotations
@@ -101,5 +103,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for layer, (ratio, cv) in enumerate(zip(load.max_over_mean, load.coefficient_of_variation, strict=True)):
         print(f"  layer {layer}: hottest expert {ratio:.2f}x the mean load, CV {cv:.2f}, loads "
               f"{load.counts[layer].tolist()}")
+    print(format_placement_table(load))
     print(format_capacity_table(capacity_table(args.model, num_windows=args.windows)))
     return 0
+
+
+def format_placement_table(load: LoadReport, num_devices: int = 4) -> str:
+    """Per layer: the most loaded of ``num_devices`` devices over the mean, for experts in order and for
+    placements from the measured load with 0 and ``num_devices`` replicas (:mod:`minipd.moe.placement`)."""
+    from minipd.moe.placement import contiguous_placement, imbalance, place_experts
+
+    experts = load.counts.shape[1]
+    lines = [f"  expert placement on {num_devices} devices (max device load / mean): in order, measured, "
+             f"measured + {num_devices} replicas"]
+    for layer, counts in enumerate(load.counts.tolist()):
+        ratios = [imbalance(contiguous_placement(experts, num_devices), counts),
+                  imbalance(place_experts(counts, num_devices), counts),
+                  imbalance(place_experts(counts, num_devices, redundant=num_devices), counts)]
+        lines.append(f"  layer {layer}: " + "  ".join(f"{r:.2f}x" for r in ratios))
+    return "\n".join(lines)
