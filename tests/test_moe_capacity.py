@@ -96,7 +96,7 @@ def test_capacity_evens_out_the_engines_load_and_bad_options_are_named():
     limit = math.ceil(54 * 2 / 8)  # 54 prompt tokens, top-2 of 8 experts, factor 1
     assert free[0] > limit >= drop[0] and reroute[0] <= limit  # the hottest expert is capped
     assert drop[1] < free[1] == reroute[1] == free[2] * 2  # dropped slots go; rerouted ones all land
-    with pytest.raises(ValueError, match="moe_overflow must be 'drop' or 'reroute'"):
+    with pytest.raises(ValueError, match="moe_overflow must be one of 'drop', 'reroute'"):
         LLM("tiny-py-moe", moe_capacity_factor=1.0, moe_overflow="resample")
     with pytest.raises(ValueError, match="moe_capacity_factor must be None or a positive number"):
         LLM("tiny-py-moe", moe_capacity_factor=0)
@@ -134,3 +134,38 @@ def test_moebalance_measures_the_bundled_model_and_prices_capacity():
     bad = subprocess.run([sys.executable, "-m", "minipd", "moebalance", "--windows", "0"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "--windows must be at least 1" in bad.stderr
+
+
+def test_quantized_gates_keep_most_top_k_sets_and_dispatch_bytes_shrink():
+    from minipd import LLM, SamplingParams
+    from minipd.moe.balance import dispatch_bytes_per_token, routing_agreement
+
+    int8, int4 = (routing_agreement("tiny-py-moe", fmt, num_windows=1) for fmt in ("int8", "int4"))
+    assert routing_agreement("tiny-py-moe", None, num_windows=1) == 1.0
+    assert 1.0 >= int8 > 0.98 and int8 > int4 > 0.85
+    assert dispatch_bytes_per_token("tiny-py-moe") == 2 * 256 * 4  # top-2 copies of a 256-wide fp32 row
+    assert dispatch_bytes_per_token("tiny-py-moe", "fp8") == 2 * (256 + 2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM("tiny-py-moe").generate(["def main():"], params)[0].token_ids
+    rounded = LLM("tiny-py-moe", router_dtype="int8", moe_dispatch_dtype="int8").generate(["def main():"], params)
+    assert rounded[0].token_ids[:4] == plain[:4]
+    with pytest.raises(ValueError, match="router_dtype must be one of 'auto', 'int8', 'int4', got 'int2'"):
+        LLM("tiny-py-moe", router_dtype="int2")
+    with pytest.raises(ValueError, match="moe_dispatch_dtype must be one of 'auto', 'int8', 'fp8'"):
+        LLM("tiny-py-moe", moe_dispatch_dtype="int4")
+
+
+def test_a_quantized_gate_routes_with_the_round_trip_of_its_rows():
+    from minipd.kv.quant import fake_quantize
+    from minipd.moe.router import SoftmaxRouter
+
+    torch.manual_seed(0)
+    router = SoftmaxRouter(32, 8, 2)
+    x = torch.randn(16, 32)
+    router.weight_format = "int4"
+    got = router(x)
+    rounded = SoftmaxRouter(32, 8, 2)
+    rounded.weight.data = fake_quantize(router.weight.data, "int4_per_token")
+    want = rounded(x)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert not torch.equal(router.gate_weight(), router.weight)  # the stored weight itself is untouched

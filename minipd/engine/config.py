@@ -35,6 +35,10 @@ class EngineConfig:
         moe_capacity_factor: bound every expert's load per step at this multiple of an even share (None:
             no bound); ``moe_overflow`` says what happens to assignments over it: ``"drop"`` or
             ``"reroute"`` (to the token's next-best expert with room). See :mod:`minipd.moe.capacity`.
+        router_dtype: route with the gate weights rounded to ``"int8"`` or ``"int4"`` (one scale per expert),
+            or as stored (``"auto"``).
+        moe_dispatch_dtype: round the rows sent to the routed experts to ``"int8"`` or ``"fp8"`` with a
+            scale per token, as a compressed all-to-all would carry them, or not (``"auto"``).
         record_routing: keep each step's routing per MoE layer (tokens per expert, top-k weight entropy)
             in the step stats (costs a device-to-host copy per MoE layer per step).
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
@@ -74,6 +78,8 @@ class EngineConfig:
     moe_backend: str = "auto"
     moe_capacity_factor: float | None = None
     moe_overflow: str = "drop"
+    router_dtype: str = "auto"
+    moe_dispatch_dtype: str = "auto"
     record_routing: bool = False
     kv_cache_dtype: str = "auto"
     kv_adaptive_format: str = "int8"
@@ -102,22 +108,11 @@ class EngineConfig:
             if not whole or memory < 1:
                 raise ValueError(f"kv_cache_memory must be None or a positive whole number of bytes, got {memory!r}")
             self.kv_cache_memory = int(memory)
-        if self.moe_capacity_factor is not None and (not is_real(self.moe_capacity_factor)
-                                                     or not self.moe_capacity_factor > 0):
-            raise ValueError(f"moe_capacity_factor must be None or a positive number, got {self.moe_capacity_factor!r}")
-        if self.moe_overflow not in ("drop", "reroute"):
-            raise ValueError(f"moe_overflow must be 'drop' or 'reroute', got {self.moe_overflow!r}")
-        if not isinstance(self.record_routing, bool):
-            raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_policy()
         self._check_backend()
-        from minipd.moe.experts import IMPLEMENTATIONS
-
-        if self.moe_backend not in IMPLEMENTATIONS:
-            raise ValueError(f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
-                             f"got {self.moe_backend!r}")
+        self._check_moe()
         from minipd.kv.spec import KV_CACHE_DTYPES as kv_dtypes
 
         if self.kv_cache_dtype not in (*kv_dtypes, "adaptive"):
@@ -153,6 +148,23 @@ class EngineConfig:
             raise ValueError(f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
                              f"with kv_eviction, got {self.kv_budget!r}")
         self.kv_budget = int(self.kv_budget)
+
+    def _check_moe(self) -> None:
+        from minipd.moe.experts import IMPLEMENTATIONS
+
+        if self.moe_backend not in IMPLEMENTATIONS:
+            raise ValueError(f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+                             f"got {self.moe_backend!r}")
+        factor = self.moe_capacity_factor
+        if factor is not None and (not is_real(factor) or not factor > 0):
+            raise ValueError(f"moe_capacity_factor must be None or a positive number, got {factor!r}")
+        choices = {"moe_overflow": ("drop", "reroute"), "router_dtype": ("auto", "int8", "int4"),
+                   "moe_dispatch_dtype": ("auto", "int8", "fp8")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+        if not isinstance(self.record_routing, bool):
+            raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
 
     def _check_adaptive(self) -> None:
         formats = ("int8", "fp8", "int4_per_token")

@@ -118,6 +118,9 @@ class EngineCore:
             module.routing_log = [] if self.config.record_routing else None
             module.capacity_factor = self.config.moe_capacity_factor
             module.overflow = self.config.moe_overflow
+            cfg = self.config
+            module.router.weight_format = None if cfg.router_dtype == "auto" else cfg.router_dtype
+            module.dispatch_format = None if cfg.moe_dispatch_dtype == "auto" else cfg.moe_dispatch_dtype
 
     @property
     def num_residual_slots(self) -> int:

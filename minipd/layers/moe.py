@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from minipd.kv.quant import fake_quantize
 from minipd.layers.mlp import SwiGLU
 from minipd.moe.capacity import enforce_capacity
 from minipd.moe.dispatch import Dispatcher, LocalDispatcher
@@ -61,6 +62,9 @@ class MoE(nn.Module):
     #: and what happens to the assignments over it (``"drop"`` or ``"reroute"``).
     capacity_factor: float | None = None
     overflow: str = "drop"
+    #: Round the rows sent to the experts to this per-token format (``"int8"``, ``"fp8"``): what an
+    #: expert-parallel all-to-all would carry to cut its bytes. None: as computed.
+    dispatch_format: str | None = None
 
     @property
     def top_k(self) -> int:
@@ -71,6 +75,9 @@ class MoE(nn.Module):
         """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
+        # The rows the routed experts get, as a quantized all-to-all would deliver them (the shared expert
+        # runs where the token is, on the rows as they are).
+        rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
         capped = self.capacity_factor is not None
         if capped:
             if not isinstance(self.router, SoftmaxRouter) or not isinstance(self.dispatcher, LocalDispatcher):
@@ -83,12 +90,12 @@ class MoE(nn.Module):
         if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher) and not capped:
             from minipd.kernels.fused_moe import fused_moe_triton
 
-            out = fused_moe_triton(hidden, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
+            out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
         elif capped:
-            batch = self.dispatcher.dispatch(hidden, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
+            batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
             out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         else:
-            batch = self.dispatcher.dispatch(hidden, weights, expert_ids)
+            batch = self.dispatcher.dispatch(rows, weights, expert_ids)
             out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]

@@ -8,7 +8,9 @@ sets the pace when every expert sits on its own device) and the coefficient of v
 replicas of the hot ones (:mod:`minipd.moe.placement`). :func:`capacity_table` caps the load
 (:mod:`minipd.moe.capacity`) at a few factors, dropping or rerouting the overflow, and prices each
 setting with :mod:`minipd.kv.quality`'s measures against unconstrained routing: perplexity change,
-KL of next-token distributions, greedy agreement.
+KL of next-token distributions, greedy agreement. :func:`quantized_routing_table` does the same for
+gates rounded to int8/int4 and dispatched rows rounded to int8/fp8, with the share of top-k sets a
+quantized gate keeps and the bytes a token's dispatch moves.
 """
 
 from __future__ import annotations
@@ -90,6 +92,80 @@ def format_capacity_table(rows: Sequence[tuple[str, Any, LoadReport]]) -> str:
     return "\n".join(lines)
 
 
+#: Quantized routing and dispatch settings compared by default: (name, engine options).
+QUANTIZED_ROUTING: dict[str, dict[str, Any]] = {
+    "gate int8": {"router_dtype": "int8"},
+    "gate int4": {"router_dtype": "int4"},
+    "dispatch int8": {"moe_dispatch_dtype": "int8"},
+    "dispatch fp8": {"moe_dispatch_dtype": "fp8"},
+    "gate int4 + dispatch fp8": {"router_dtype": "int4", "moe_dispatch_dtype": "fp8"},
+}
+
+
+def routing_agreement(model: str, weight_format: str | None, window: int = 256, num_windows: int = 4) -> float:
+    """Share of (token, layer) top-k sets a quantized gate leaves unchanged, on the unquantized model's own
+    hidden states (so upstream drift does not count twice)."""
+    from minipd import LLM, SamplingParams
+    from minipd.kv.quality import windows
+
+    llm = LLM(model, enable_prefix_caching=False)
+    layers = llm.engine.core.moe_layers
+    inputs: list[list[torch.Tensor]] = [[] for _ in layers]
+    hooks = [layer.register_forward_pre_hook(lambda _m, args, i=i: inputs[i].append(args[0].detach()))
+             for i, layer in enumerate(layers)]
+    try:
+        for ids in windows(llm.tokenizer, window, num_windows):
+            llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    same = total = 0
+    with torch.no_grad():
+        for layer, seen in zip(layers, inputs, strict=True):
+            hidden = torch.cat([x.reshape(-1, x.shape[-1]) for x in seen])
+            router = layer.router
+            _, exact = router(hidden)
+            router.weight_format = weight_format
+            try:
+                _, rounded = router(hidden)
+            finally:
+                router.weight_format = None
+            same += int((exact.sort(-1).values == rounded.sort(-1).values).all(-1).sum())
+            total += hidden.shape[0]
+    return same / total
+
+
+def dispatch_bytes_per_token(model: str, dispatch_dtype: str = "auto") -> int:
+    """Bytes one token sends to its experts in one MoE layer's dispatch (its top-k copies of the hidden
+    state; a scale per copy when quantized); the combine brings as many back in the model's dtype."""
+    from minipd.config import ModelConfig
+    from minipd.models import resolve_model
+
+    cfg = ModelConfig.from_pretrained(resolve_model(model))
+    element = {"auto": 4, "int8": 1, "fp8": 1}[dispatch_dtype]  # the bundled models compute in fp32
+    scale = 0 if dispatch_dtype == "auto" else 2
+    return cfg.num_experts_per_tok * (cfg.hidden_size * element + scale)
+
+
+def quantized_routing_table(model: str = "tiny-py-moe", settings: dict[str, dict[str, Any]] | None = None,
+                            num_windows: int = 4, progress: bool = True) -> str:
+    """Routing agreement, output drift (quality measures) and dispatch bytes per token, per setting."""
+    from minipd.kv.quality import measure
+
+    settings = settings or QUANTIZED_ROUTING
+    reports = measure(model, list(settings), num_windows=num_windows, greedy_prompts=2, greedy_tokens=64,
+                      num_probes=2, options=settings, progress=progress)
+    lines = [f"{'routing':>26} {'top-k same':>10} {'Δppl':>8} {'KL':>9} {'greedy=':>8} {'dispatch B/token':>16}"]
+    for report in reports:
+        options = settings.get(report.method, {})
+        agreement = routing_agreement(model, options.get("router_dtype"), num_windows=num_windows) \
+            if options.get("router_dtype") else 1.0
+        sent = dispatch_bytes_per_token(model, options.get("moe_dispatch_dtype", "auto"))
+        lines.append(f"{report.method:>26} {agreement:10.1%} {100 * report.perplexity_change:+7.2f}% "
+                     f"{report.mean_kl:9.2e} {report.greedy_prefix:8.1f} {sent:16d}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m minipd moebalance [--model M] [--windows N]``: per-layer imbalance, then the capacity table."""
     parser = argparse.ArgumentParser(prog="python -m minipd moebalance", description=__doc__.splitlines()[0])
@@ -105,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{load.counts[layer].tolist()}")
     print(format_placement_table(load))
     print(format_capacity_table(capacity_table(args.model, num_windows=args.windows)))
+    print("  quantized routing and dispatch (top-k same: on the full-precision model's own hidden states)")
+    print(quantized_routing_table(args.model, num_windows=args.windows))
     return 0
 
 

@@ -69,6 +69,10 @@ class Router(nn.Module, ABC):
     loads straight into ``router.weight``.
     """
 
+    #: Route with the gate weights rounded to this format (``"int8"``, ``"int4"``), one scale per expert
+    #: row: what a deployment that ships quantized gates computes. None: as stored.
+    weight_format: str | None = None
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -77,6 +81,14 @@ class Router(nn.Module, ABC):
         self.top_k = top_k
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.reset_parameters()
+
+    def gate_weight(self) -> torch.Tensor:
+        """The weight routing uses: as stored, or its round trip through :attr:`weight_format`."""
+        if self.weight_format is None:
+            return self.weight
+        from minipd.kv.quant import fake_quantize
+
+        return fake_quantize(self.weight, {"int8": "int8", "int4": "int4_per_token"}[self.weight_format])
 
     def reset_parameters(self) -> None:
         """nn.Linear's default initialisation, so a model built without a checkpoint still routes sensibly."""
@@ -97,11 +109,11 @@ class SoftmaxRouter(Router):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Logits in the model's dtype, as the reference implementations compute them; softmax in fp32.
-        return softmax_topk(F.linear(hidden, self.weight), self.top_k, self.renormalize)
+        return softmax_topk(F.linear(hidden, self.gate_weight()), self.top_k, self.renormalize)
 
     def probabilities(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, E) fp32 softmax over every expert (what rerouting an overflowing token ranks by)."""
-        return F.softmax(F.linear(hidden, self.weight).float(), dim=-1)
+        return F.softmax(F.linear(hidden, self.gate_weight()).float(), dim=-1)
 
 
 class SigmoidGroupedRouter(Router):
@@ -127,6 +139,6 @@ class SigmoidGroupedRouter(Router):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # fp32 logits: the bias shifts scores by small amounts that bf16 would round away.
-        logits = F.linear(hidden.float(), self.weight.float())
+        logits = F.linear(hidden.float(), self.gate_weight().float())
         return sigmoid_grouped_topk(logits, self.top_k, self.e_score_correction_bias, self.n_group,
                                     self.topk_group, self.routed_scaling_factor, self.normalize)
