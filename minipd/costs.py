@@ -70,40 +70,65 @@ def _attention_weights_per_layer(config: ModelConfig) -> int:
 
 
 def _expert_params(config: ModelConfig) -> int:
-    """One SwiGLU block: gate, up and down, ``3 × hidden × intermediate``."""
-    return 3 * config.hidden_size * config.intermediate_size
+    """One routed expert: gate, up and down, ``3 × hidden × expert width``."""
+    return 3 * config.hidden_size * config.expert_intermediate_size
+
+
+def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int]:
+    """Layer ``layer``'s MLP parameters, and those one token uses: all of a dense MLP; for a mixture, the
+    router, the shared expert and its gate (Qwen2-MoE) and ``num_experts_per_tok`` routed experts."""
+    hidden = config.hidden_size
+    if not config.layer_is_moe(layer):
+        dense = 3 * hidden * config.intermediate_size
+        return dense, dense
+    always = hidden * config.num_experts  # the router
+    if config.shared_expert_intermediate_size:
+        always += 3 * hidden * config.shared_expert_intermediate_size + hidden  # and its sigmoid gate
+    return (config.num_experts * _expert_params(config) + always,
+            config.num_experts_per_tok * _expert_params(config) + always)
+
+
+def _mlp_io(config: ModelConfig, layer: int) -> int:
+    """Activation elements one token reads and writes in layer ``layer``'s MLP."""
+    hidden = config.hidden_size
+
+    def swiglu(width: int) -> int:  # gate_up in/out, down in/out
+        return hidden + 2 * width + width + hidden
+
+    if not config.layer_is_moe(layer):
+        return swiglu(config.intermediate_size)
+    io = config.num_experts_per_tok * swiglu(config.expert_intermediate_size) + hidden + config.num_experts
+    if config.shared_expert_intermediate_size:
+        io += swiglu(config.shared_expert_intermediate_size) + hidden + 1
+    return io
 
 
 def count_parameters(config: ModelConfig) -> ParamCounts:
     """Parameters of ``config``'s model by part, as HF transformers builds it.
 
-    Biases follow transformers: with ``config.attention_bias``, Qwen2 has q/k/v biases and the other
-    families (a Llama or Qwen3 config that sets ``attention_bias``) q/k/v and o biases. Qwen3 adds a
-    ``head_dim`` RMSNorm weight for q and one for k per layer. A Mixtral router is
-    ``hidden × num_experts``, no bias.
+    Biases follow transformers: with ``config.attention_bias``, Qwen2 and Qwen2-MoE have q/k/v biases
+    and the other families (a Llama or Qwen3 config that sets ``attention_bias``) q/k/v and o biases.
+    Qwen3 adds a ``head_dim`` RMSNorm weight for q and one for k per layer. A router is
+    ``hidden × num_experts``, no bias; Qwen2-MoE's shared expert is a SwiGLU and a ``hidden × 1`` gate;
+    Qwen-MoE layers listed as dense have a plain MLP of ``intermediate_size``.
     """
     layers = config.num_hidden_layers
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     attention = _attention_weights_per_layer(config)
     if config.attention_bias:
-        attention += q + 2 * kv + (0 if config.model_type == "qwen2" else config.hidden_size)
+        attention += q + 2 * kv + (config.hidden_size if config.o_proj_bias else 0)
     if config.qk_norm:
         attention += 2 * config.head_dim
-    if config.is_moe:
-        router = config.hidden_size * config.num_experts
-        mlp = config.num_experts * _expert_params(config) + router
-        mlp_active = config.num_experts_per_tok * _expert_params(config) + router
-    else:
-        mlp = mlp_active = _expert_params(config)
+    mlps = [_mlp_params(config, i) for i in range(layers)]
     embedding = config.vocab_size * config.hidden_size
     return ParamCounts(
         embedding=embedding,
         attention=layers * attention,
-        mlp=layers * mlp,
+        mlp=sum(total for total, _ in mlps),
         norms=(2 * layers + 1) * config.hidden_size,
         lm_head=0 if config.tie_word_embeddings else embedding,
-        mlp_active=layers * mlp_active,
+        mlp_active=sum(active for _, active in mlps),
     )
 
 
@@ -114,11 +139,8 @@ def matmul_weights_per_token(config: ModelConfig) -> int:
     the ``num_experts_per_tok`` experts the token is routed to. Each of these weights costs the
     token one multiply-add, i.e. 2 FLOPs.
     """
-    if config.is_moe:
-        mlp = config.num_experts_per_tok * _expert_params(config) + config.hidden_size * config.num_experts
-    else:
-        mlp = _expert_params(config)
-    return config.num_hidden_layers * (_attention_weights_per_layer(config) + mlp)
+    layers = range(config.num_hidden_layers)
+    return sum(_attention_weights_per_layer(config) + _mlp_params(config, i)[1] for i in layers)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -248,9 +270,9 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
     params = count_parameters(config)
     layer_params = params.non_embedding
     if config.is_moe:
-        per_layer_expert = _expert_params(config)
         experts_read = min(config.num_experts, tokens * config.num_experts_per_tok)
-        layer_params -= config.num_hidden_layers * (config.num_experts - experts_read) * per_layer_expert
+        moe_layers = sum(config.layer_is_moe(i) for i in range(config.num_hidden_layers))
+        layer_params -= moe_layers * (config.num_experts - experts_read) * _expert_params(config)
     weight_bytes = dtype_bytes * (layer_params + vocab * hidden)
 
     # KV cache: each layer reads the union of the windows its new queries see, and writes the new K/V.
@@ -265,13 +287,10 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
 
     # Activations, per token and layer: qkv_proj in/out, attention q in / out, o_proj in/out, then
     # the MLP (per routed expert: gate_up in/out and down in/out; plus the router's in/out).
-    inter = config.intermediate_size
-    mlp_io = hidden + 2 * inter + inter + hidden
-    if config.is_moe:
-        mlp_io = config.num_experts_per_tok * mlp_io + hidden + config.num_experts
-    per_token_layer = (hidden + q_dim + 2 * kv_dim) + 2 * q_dim + (q_dim + hidden) + mlp_io
+    attention_io = (hidden + q_dim + 2 * kv_dim) + 2 * q_dim + (q_dim + hidden)
+    per_token = sum(attention_io + _mlp_io(config, i) for i in range(config.num_hidden_layers))
     # Plus the embedding row each token looks up, and the LM head's input and logits per sampled row.
-    activation_elems = tokens * (config.num_hidden_layers * per_token_layer + hidden) + seqs * (hidden + vocab)
+    activation_elems = tokens * (per_token + hidden) + seqs * (hidden + vocab)
     activation_bytes = dtype_bytes * activation_elems
 
     return StepCost(num_tokens=tokens, num_sequences=seqs, linear_flops=linear_flops,

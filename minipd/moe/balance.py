@@ -171,9 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minipd moebalance", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py-moe")
     parser.add_argument("--windows", type=int, default=4, help="held-out windows of 256 tokens")
+    parser.add_argument("--train", type=int, default=0, metavar="STEPS",
+                        help="instead: fine-tune the routers for STEPS steps with each balancing method "
+                             "(none, aux loss, loss-free bias) and compare")
+    parser.add_argument("--plot", default=None, help="with --train: save the curves to this image file")
     args = parser.parse_args(argv)
     if args.windows < 1:
         parser.error("--windows must be at least 1")
+    if args.train < 0:
+        parser.error("--train must be a positive number of steps")
+    if args.train:
+        return _train(args.model, args.train, args.plot)
     load = measure_load(args.model, num_windows=args.windows)
     print(f"[moebalance] {args.model}, {args.windows} held-out windows of 256 tokens")
     for layer, (ratio, cv) in enumerate(zip(load.max_over_mean, load.coefficient_of_variation, strict=True)):
@@ -200,3 +208,24 @@ def format_placement_table(load: LoadReport, num_devices: int = 4) -> str:
                   imbalance(place_experts(counts, num_devices, redundant=num_devices), counts)]
         lines.append(f"  layer {layer}: " + "  ".join(f"{r:.2f}x" for r in ratios))
     return "\n".join(lines)
+
+
+def _train(model: str, steps: int, plot: str | None) -> int:
+    from minipd.moe.router_training import METHODS, finetune_routers, plot_balancing
+
+    runs = [finetune_routers(method, model, steps=steps) for method in METHODS]
+    print(f"[moebalance --train] {model}, routers only, {steps} steps of 4 x 128 tokens of stdlib source")
+    print(f"  {'method':>6} {'held-out loss':>22} {'max/mean load (mean of layers)':>32}")
+    for run in runs:
+        (l0, l1), (i0, i1) = run.heldout_loss, run.heldout_imbalance
+        print(f"  {run.method:>6} {l0:10.4f} -> {l1:8.4f} {i0:18.2f} -> {i1:9.2f}")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot_balancing(runs)
+        plt.savefig(plot, dpi=120)
+        print(f"  curves saved to {plot}")
+    return 0

@@ -19,16 +19,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def softmax_topk(router_logits: torch.Tensor, top_k: int,
-                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
+                 selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``top_k`` experts by softmax probability, and their probabilities.
 
     With ``renormalize`` the kept probabilities are rescaled to sum to 1 (Mixtral; Qwen-MoE's
-    ``norm_topk_prob``); without it they keep their share of the full softmax.
+    ``norm_topk_prob``); without it they keep their share of the full softmax. ``selection_bias`` (E,)
+    is added to the probabilities for the choice only, never to the weights (DeepSeek-V3's
+    loss-free balancing, here on softmax scores).
     """
     # fp32 softmax: bf16 probabilities of near-equal experts would tie and make top-k arbitrary.
     probs = F.softmax(router_logits.float(), dim=-1)
-    weights, expert_ids = probs.topk(top_k, dim=-1)
+    if selection_bias is None:
+        weights, expert_ids = probs.topk(top_k, dim=-1)
+    else:
+        expert_ids = (probs + selection_bias).topk(top_k, dim=-1).indices
+        weights = probs.gather(-1, expert_ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, expert_ids
@@ -106,10 +112,13 @@ class SoftmaxRouter(Router):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool = True) -> None:
         super().__init__(hidden_size, num_experts, top_k)
         self.renormalize = renormalize
+        #: Added to the probabilities when choosing experts, not when weighting them (None: no bias); set by
+        #: loss-free load balancing (:mod:`minipd.moe.router_training`).
+        self.selection_bias: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Logits in the model's dtype, as the reference implementations compute them; softmax in fp32.
-        return softmax_topk(F.linear(hidden, self.gate_weight()), self.top_k, self.renormalize)
+        return softmax_topk(F.linear(hidden, self.gate_weight()), self.top_k, self.renormalize, self.selection_bias)
 
     def probabilities(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, E) fp32 softmax over every expert (what rerouting an overflowing token ranks by)."""
