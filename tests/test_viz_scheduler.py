@@ -139,3 +139,18 @@ def test_explorer_redraws_with_the_slider_values():
     assert calls == [(64, 4), (64, 1), (16, 1)]
     with pytest.raises(ValueError, match="at least one"):
         scheduler_explorer(lambda b, c: None, budgets=[], caps=[1])
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_timelines_on_shared_axes_each_show_every_step(timeline, longest_first):
+    """With sharex, an image's extent resets the shared limits: the longer timeline must not be clipped."""
+    import matplotlib.pyplot as plt
+
+    short = Timeline("static", timeline.labels, timeline.request_ids, timeline.arrivals, timeline.steps[:4])
+    _, axes = plt.subplots(2, 1, sharex=True)
+    order = (timeline, short) if longest_first else (short, timeline)
+    for ax, tl in zip(axes, order, strict=True):
+        plot_schedule_timeline(tl, ax=ax)
+    for ax in axes:
+        assert ax.get_xlim() == (-0.5, timeline.num_steps - 0.5)  # 6 steps visible on both
+    plt.close("all")

@@ -80,6 +80,10 @@ def plot_schedule_timeline(timeline: Timeline, ax: Axes | None = None, title: st
     norm = BoundaryNorm([i - 0.5 for i in range(len(PHASES) + 1)], len(PHASES))
     ax.imshow(codes, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest",
               extent=(-0.5, timeline.num_steps - 0.5, rows - 0.5, -0.5))
+    # An image resets the x-limits to its own extent, which on axes sharing x would clip a longer timeline
+    # drawn before: span the longest timeline of every sibling.
+    siblings = ax.get_shared_x_axes().get_siblings(ax)
+    ax.set_xlim(-0.5, max(image.get_extent()[1] for sibling in siblings for image in sibling.images))
     # Thin white lines between cells keep neighbouring steps apart.
     ax.set_xticks([x - 0.5 for x in range(timeline.num_steps + 1)], minor=True)
     ax.set_yticks([y - 0.5 for y in range(rows + 1)], minor=True)
