@@ -137,6 +137,7 @@ def test_explorer_redraws_with_the_slider_values():
     cap_slider.value = 1
     budget_slider.value = 16
     assert calls == [(64, 4), (64, 1), (16, 1)]
+    assert "needs a live kernel" in repr(box) and budget_slider.layout.width == "480px"
     with pytest.raises(ValueError, match="at least one"):
         scheduler_explorer(lambda b, c: None, budgets=[], caps=[1])
 

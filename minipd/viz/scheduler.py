@@ -246,8 +246,10 @@ def scheduler_explorer(draw: Callable[[int, int], object], budgets: Sequence[int
     if not budgets or not caps:
         raise ValueError("scheduler_explorer needs at least one budget and one cap")
     style = {"description_width": "initial"}
+    # Wide enough that each of a handful of settings is a distinct stop under the mouse.
     budget_slider = widgets.SelectionSlider(options=list(budgets), value=budget if budget is not None else budgets[-1],
-                                            description="max_num_batched_tokens", continuous_update=False, style=style)
+                                            description="max_num_batched_tokens", continuous_update=False, style=style,
+                                            layout=widgets.Layout(width="480px"))
     cap_slider = widgets.SelectionSlider(options=list(caps), value=cap if cap is not None else caps[-1],
                                          description="max_num_seqs", continuous_update=False, style=style)
     out = widgets.Output()
@@ -261,4 +263,9 @@ def scheduler_explorer(draw: Callable[[int, int], object], budgets: Sequence[int
     budget_slider.observe(redraw, names="value")
     cap_slider.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([budget_slider, cap_slider]), out])
+
+    class SchedulerExplorer(widgets.VBox):
+        def __repr__(self) -> str:  # what a notebook viewer without a kernel shows instead of the widget
+            return "<scheduler explorer: it needs a live kernel (see the static figure above)>"
+
+    return SchedulerExplorer([widgets.HBox([budget_slider, cap_slider]), out])
