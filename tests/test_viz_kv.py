@@ -122,3 +122,16 @@ def test_request_reservations_plot_each_request():
     assert heights == {"reserved: contiguous": [64, 64], "reserved: paged 16": [16, 32]}
     ticks = next(c for c in ax.collections if c.get_gid() == "used")
     assert ticks.get_offsets().tolist() == [[0, 10], [1, 30]]
+
+
+def test_a_pool_drawing_keeps_its_size_when_told_how_many_tables_to_expect(pool):
+    """The stepper draws every state with room for the most tables, so its figure keeps one height."""
+    import matplotlib.pyplot as plt
+
+    bm, seqs = pool
+    empty, full = snapshot_pool(bm, {}, "empty"), snapshot_pool(bm, seqs, "full")
+    sizes = [plot_block_pool(s, min_tables=2).figure.get_size_inches().tolist() for s in (empty, full)]
+    limits = [plt.figure(i).axes[0].get_ylim() for i in plt.get_fignums()[-2:]]
+    assert sizes[0] == sizes[1] and limits[0] == limits[1]
+    assert plot_block_pool(empty).figure.get_size_inches()[1] < sizes[0][1]  # without it: shorter
+    plt.close("all")

@@ -112,6 +112,8 @@ def test_throughput_latency_points():
     assert by_gid(right, "max_num_seqs/ttft").get_xdata().tolist() == pytest.approx([500, 200])
     assert by_gid(right, "budget/ttft").get_xdata().tolist() == pytest.approx([400])
     assert [t.get_text() for t in left.texts] == ["1", "4", "16"]
+    # The two series label on opposite sides of their points, so close points do not collide.
+    assert [t.get_va() for t in left.texts] == ["bottom", "bottom", "top"]
 
 
 def test_empty_inputs_are_clear_errors():

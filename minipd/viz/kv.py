@@ -111,7 +111,7 @@ def _pool_layout(snap: PoolSnapshot, per_row: int | None) -> tuple[int, int]:
 
 
 def plot_block_pool(snap: PoolSnapshot, ax: Axes | None = None, colors: Mapping[str, str] | None = None,
-                    per_row: int | None = None) -> Axes:
+                    per_row: int | None = None, min_tables: int = 0) -> Axes:
     """Draw the physical pool of ``snap`` and, below it, each sequence's block table.
 
     Each block is a box of ``block_size`` slots; a slot holding a token takes its sequence's colour
@@ -128,6 +128,8 @@ def plot_block_pool(snap: PoolSnapshot, ax: Axes | None = None, colors: Mapping[
         ax: Axes to draw on; a new figure is made when None.
         colors: sequence name -> colour, to keep colours stable across snapshots.
         per_row: blocks per row of the pool drawing (at most 12 by default).
+        min_tables: leave room for at least this many block tables, so that a series of snapshots
+            (a stepper) keeps one size however many sequences each holds.
 
     Returns:
         The Axes drawn on.
@@ -137,7 +139,8 @@ def plot_block_pool(snap: PoolSnapshot, ax: Axes | None = None, colors: Mapping[
     colors = dict(colors) if colors is not None else sequence_colors(snap.tables)
     per_row, rows = _pool_layout(snap, per_row)
     width = per_row * (_BLOCK_W + _GAP)
-    height = rows * _ROW_H + len(snap.tables) * _TABLE_H + 0.8
+    tables_room = max(len(snap.tables), min_tables)
+    height = rows * _ROW_H + tables_room * _TABLE_H + 0.8
     ax = _new_axes(ax, (max(5.0, 0.62 * width + 1.5), 0.62 * height + 0.6))
     free_rank = {b: k + 1 for k, b in enumerate(snap.free_order)}
     slot_w = _BLOCK_W / snap.block_size
@@ -183,7 +186,7 @@ def plot_block_pool(snap: PoolSnapshot, ax: Axes | None = None, colors: Mapping[
     stats = (f"{used} used, {len(snap.free_order)} free ({kept} still cached) of {snap.num_blocks} blocks · "
              f"evictions {snap.evictions}")
     ax.set_title(f"{snap.caption}\n{stats}" if snap.caption else stats, fontsize=9, loc="left")
-    bottom = top - len(snap.tables) * _TABLE_H - 0.2
+    bottom = top - tables_room * _TABLE_H - 0.2
     ax.set_xlim(-3.2, width)
     ax.set_ylim(bottom, 1.5)
     ax.set_aspect("equal")
@@ -225,6 +228,7 @@ def block_pool_stepper(snapshots: Sequence[PoolSnapshot], colors: Mapping[str, s
     if not snapshots:
         raise ValueError("block_pool_stepper needs at least one snapshot")
     colors = colors or sequence_colors(name for s in snapshots for name in s.tables)
+    most = max(len(s.tables) for s in snapshots)
     last = len(snapshots) - 1
     slider = widgets.IntSlider(value=0, min=0, max=last, description="step", continuous_update=True)
     play = widgets.Play(value=0, min=0, max=last, interval=1500, description="play")
@@ -236,7 +240,8 @@ def block_pool_stepper(snapshots: Sequence[PoolSnapshot], colors: Mapping[str, s
     def draw(_change: object = None) -> None:
         with out:
             out.clear_output(wait=True)
-            plot_block_pool(snapshots[slider.value], colors=colors)
+            # Room for the most tables any state has: the figure keeps its height as you step.
+            plot_block_pool(snapshots[slider.value], colors=colors, min_tables=most)
             plt.show()
 
     back.on_click(lambda _b: setattr(slider, "value", max(0, slider.value - 1)))

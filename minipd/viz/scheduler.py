@@ -211,15 +211,19 @@ def plot_throughput_latency(series: Mapping[str, Sequence[LoadPoint]], axes: Seq
 
         _, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True, layout="constrained")
     left, right = axes
-    for name, points in series.items():
+    # Each series labels its points on its own side (above, below, ...), so nearby points of two
+    # series do not print their labels on top of each other.
+    sides = [((5, 4), "bottom"), ((5, -5), "top"), ((-5, 4), "bottom"), ((-5, -5), "top")]
+    for index, (name, points) in enumerate(series.items()):
         ys = [p.throughput for p in points]
+        offset, va = sides[index % len(sides)]
         for ax, metric, key in ((left, "mean_tpot", "tpot"), (right, "mean_ttft", "ttft")):
             xs = [getattr(p, metric) * 1e3 for p in points]
             (line,) = ax.plot(xs, ys, "o-", label=name, gid=f"{name}/{key}")
             for p, x, y in zip(points, xs, ys, strict=True):
                 if not (math.isnan(x) or math.isnan(y)):
-                    ax.annotate(p.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small",
-                                color=line.get_color())
+                    ax.annotate(p.label, (x, y), textcoords="offset points", xytext=offset, fontsize="small",
+                                color=line.get_color(), va=va, ha="left" if offset[0] > 0 else "right")
     left.set_xlabel("mean TPOT (ms)")
     right.set_xlabel("mean TTFT (ms)")
     left.set_ylabel("throughput (output tokens/s)")
