@@ -48,6 +48,15 @@ def merge_with_exp_of_raw_max(m1: torch.Tensor, l1: torch.Tensor, acc1: torch.Te
     return m, l1 * s1 + l2 * s2, acc1 * s1[:, None] + acc2 * s2[:, None]
 
 
+def merge_through_the_first_max(m1: torch.Tensor, l1: torch.Tensor, acc1: torch.Tensor, m2: torch.Tensor,
+                                l2: torch.Tensor, acc2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Exact for any two non-empty parts, but goes through exp(m2 - m1), which is inf when the first
+    part is empty (m1 = -inf): inf * 0 is NaN."""
+    m = torch.maximum(m1, m2)
+    s1, s2 = torch.exp(m1 - m), torch.exp(m2 - m1) * torch.exp(m1 - m)
+    return m, l1 * s1 + l2 * s2, acc1 * s1[:, None] + acc2 * s2[:, None]
+
+
 def decode_over_whole_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_table: torch.Tensor, length: int, scale: float) -> torch.Tensor:
     """Forgets that the last block may be only partly filled."""
@@ -68,6 +77,7 @@ def decode_with_one_kv_head(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ("paged_gather", gather_whole_blocks),
     ("online_softmax_merge", merge_without_rescaling),
     ("online_softmax_merge", merge_with_exp_of_raw_max),
+    ("online_softmax_merge", merge_through_the_first_max),
     ("paged_decode_one_sequence", decode_over_whole_blocks),
     ("paged_decode_one_sequence", decode_with_one_kv_head),
 ])
@@ -80,3 +90,13 @@ def test_planted_bug_fails(name: str, bug: Callable[..., Any]) -> None:
 def test_merge_explains_a_wrong_return_type() -> None:
     result = ch03b.check_online_softmax_merge(lambda *a: a[0])
     assert result.status == "FAIL" and "tuple (m, l, acc)" in result.message
+
+
+def test_a_merge_that_breaks_on_an_empty_part_is_caught_and_the_component_named() -> None:
+    result = ch03b.check_online_softmax_merge(merge_through_the_first_max)
+    assert result.status == "FAIL"
+    assert "first part empty" in result.message and "that is l of row 0" in result.message
+    acc_only = ch03b.check_online_softmax_merge(
+        lambda m1, l1, a1, m2, l2, a2: (*ch03b.reference_online_softmax_merge(m1, l1, a1, m2, l2, a2)[:2],
+                                        ch03b.reference_online_softmax_merge(m1, l1, a1, m2, l2, a2)[2] * 1.01))
+    assert acc_only.status == "FAIL" and "that is acc (column" in acc_only.message

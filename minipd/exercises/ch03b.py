@@ -12,6 +12,7 @@ The attention output is ``acc / l``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -194,7 +195,14 @@ def check_online_softmax_merge(fn: Callable[..., tuple[torch.Tensor, torch.Tenso
     def joined(*args: torch.Tensor) -> torch.Tensor:
         return _as_state_tensor(fn(*args))  # the reader's NotImplementedError passes straight through
 
-    return report(check_tensor_fn("online_softmax_merge", joined, _merged, _merge_cases, atol=1e-5, rtol=1e-5))
+    result = check_tensor_fn("online_softmax_merge", joined, _merged, _merge_cases, atol=1e-5, rtol=1e-5)
+    where = result.first_mismatch
+    if result.status == "FAIL" and where is not None and len(where) == 2:
+        # The comparison ran on one [m | l | acc] tensor: say which of the three the index is in.
+        row, column = where
+        part = "m" if column == 0 else "l" if column == 1 else f"acc (column {column - 2})"
+        result = dataclasses.replace(result, message=f"{result.message}; that is {part} of row {row}")
+    return report(result)
 
 
 def check_paged_decode_one_sequence(fn: Callable[..., torch.Tensor]) -> CheckResult:
