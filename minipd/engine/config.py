@@ -167,7 +167,8 @@ class EngineConfig:
             raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
 
     def _check_adaptive(self) -> None:
-        formats = ("int8", "fp8", "int4_per_token")
+        from minipd.kv.quant import PER_TOKEN_FORMATS as formats
+
         if self.kv_adaptive_format not in formats:
             raise ValueError(f"kv_adaptive_format must be one of {', '.join(map(repr, formats))}, "
                              f"got {self.kv_adaptive_format!r}")

@@ -102,6 +102,11 @@ FORMATS: dict[str, QuantFormat] = {
 }
 
 
+#: The formats with a scale per token for K and V alike (every one but KIVI's "int4"): what adaptive
+#: precision and a compressed wire can use.
+PER_TOKEN_FORMATS: tuple[str, ...] = tuple(name for name, fmt in FORMATS.items() if not fmt.per_channel_keys)
+
+
 def fake_quantize(x: torch.Tensor, format_name: str) -> torch.Tensor:
     """``x`` after a round trip through ``format_name``'s per-token codes, in ``x``'s dtype (what attention
     reads back of a value, or of a key in a per-token format)."""
@@ -132,9 +137,13 @@ class QuantizedLayerCache:
     def device(self) -> torch.device:
         return self.codes.device
 
+    def decode_blocks(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Values of blocks given as their codes and scales."""
+        return self.fmt.dequantize(codes, scales, self.dtype)
+
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
         """The dequantized blocks at ``index`` (block ids, any shape)."""
-        return self.fmt.dequantize(self.codes[index], self.scales[index], self.dtype)
+        return self.decode_blocks(self.codes[index], self.scales[index])
 
     def store(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
         """Quantize ``x`` (N, kv_heads, head_dim) into slots ``slot_mapping`` (N,), in place."""

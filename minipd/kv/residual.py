@@ -26,13 +26,14 @@ restored from a snapshot) gets one by dequantizing those codes: its tail tokens 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from minipd.kv.quant import QuantFormat
+from minipd.kv.quant import QuantFormat, QuantizedLayerCache
 
 if TYPE_CHECKING:
     from minipd.kv.paged_pool import PagedKVPool
@@ -61,7 +62,7 @@ class ResidualPlan:
     partial_counts: torch.Tensor
 
 
-class WindowedLayerCache:
+class WindowedLayerCache(QuantizedLayerCache):
     """One layer's K (or V) of a KIVI cache, read and written as if it held floats.
 
     Args:
@@ -73,28 +74,21 @@ class WindowedLayerCache:
         dtype: what reads return.
         per_channel: True for K.
         pool: where the step's :class:`ResidualPlan` is found.
+
+    Its :attr:`shape` is the pool's; block ids past it name residual slots.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, fmt: QuantFormat,
                  dtype: torch.dtype, per_channel: bool, pool: PagedKVPool) -> None:
-        self.codes, self.scales, self.residual, self.fmt = codes, scales, residual, fmt
-        self.dtype, self.per_channel, self.pool = dtype, per_channel, pool
+        super().__init__(codes, scales, fmt, dtype)
+        self.residual, self.per_channel, self.pool = residual, per_channel, pool
         self.num_blocks = codes.shape[0]
 
-    @property
-    def shape(self) -> torch.Size:
-        """The shape of the values it stands for (block ids past it name residual slots)."""
-        return torch.Size((*self.codes.shape[:-1], self.codes.shape[-1] * self.fmt.pack))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
     def decode_blocks(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Values of blocks given as their codes and scales."""
+        """Values of blocks given as their codes and scales (per channel for K)."""
         if self.per_channel:
             return self.fmt.dequantize_channels(codes, scales, self.dtype)
-        return self.fmt.dequantize(codes, scales, self.dtype)
+        return super().decode_blocks(codes, scales)
 
     def encode_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of whole blocks of values ``(n, block_size, heads, dim)``."""
@@ -141,20 +135,9 @@ class WindowedLayerCache:
         self.codes[blocks], self.scales[blocks] = codes, scales
 
 
-@dataclass
-class _StepWrites:
-    residual_tokens: list[int] = field(default_factory=list)
-    residual_rows: list[int] = field(default_factory=list)
-    tail_tokens: list[int] = field(default_factory=list)
-    tail_rows: list[int] = field(default_factory=list)
-    direct_tokens: list[int] = field(default_factory=list)
-    direct_blocks: list[int] = field(default_factory=list)
-    seal_slots: list[int] = field(default_factory=list)
-    seal_blocks: list[int] = field(default_factory=list)
-    seal_counts: list[int] = field(default_factory=list)
-    partial_slots: list[int] = field(default_factory=list)
-    partial_blocks: list[int] = field(default_factory=list)
-    partial_counts: list[int] = field(default_factory=list)
+def _step_writes() -> SimpleNamespace:
+    """An empty list for each field of :class:`ResidualPlan`: what a step's planning appends to."""
+    return SimpleNamespace(**{f.name: [] for f in dataclasses.fields(ResidualPlan)})
 
 
 class ResidualWindow:
@@ -173,7 +156,7 @@ class ResidualWindow:
         self.owner: dict[int, tuple[Any, int]] = {}  # slot -> (request, block id)
         self.tail: dict[str, int] = {}  # request id -> slot of its filling block
         self._release: set[int] = set()
-        self._writes = _StepWrites()
+        self._writes = _step_writes()
         #: Slots filled from codes (a tail that arrived without its window), for tests and curiosity.
         self.num_thawed = 0
 
@@ -184,7 +167,7 @@ class ResidualWindow:
 
     def begin_step(self) -> None:
         """Start planning a step."""
-        self._writes = _StepWrites()
+        self._writes = _step_writes()
 
     def place(self, request: Any, table: list[int], first: int, count: int, first_row: int) -> tuple[
             np.ndarray, tuple[int, int] | None]:
@@ -243,7 +226,7 @@ class ResidualWindow:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        plan = ResidualPlan(*(tensor(getattr(w, f.name)) for f in dataclasses.fields(ResidualPlan)))
+        plan = ResidualPlan(**{name: tensor(values) for name, values in vars(w).items()})
         self.pool.step_plan = plan
         return plan
 

@@ -45,6 +45,7 @@ from minipd.engine.core import check_fits_pool
 from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, normalize_prompts
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
+from minipd.kv.quant import PER_TOKEN_FORMATS
 from minipd.models.registry import resolve_model
 from minipd.outputs import KVTimeline, RequestOutput, StreamDelta
 from minipd.pd.transport import TRANSPORTS, nixl_available
@@ -156,10 +157,9 @@ class DisaggregatedLLM:
             raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
         self.kv_transport = kv_transport
         self.kv_transfer = kv_transfer
-        wire_formats = ("int8", "fp8", "int4_per_token")
         if kv_transfer_dtype is not None:
-            if kv_transfer_dtype not in wire_formats:
-                raise ValueError(f"kv_transfer_dtype must be None or one of {', '.join(map(repr, wire_formats))}, "
+            if kv_transfer_dtype not in PER_TOKEN_FORMATS:
+                raise ValueError(f"kv_transfer_dtype must be None or one of {', '.join(map(repr, PER_TOKEN_FORMATS))}, "
                                  f"got {kv_transfer_dtype!r}")
             if kv_transport != "torch":
                 raise ValueError("kv_transfer_dtype needs kv_transport='torch': NIXL moves pool memory as it lies, "

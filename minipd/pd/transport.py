@@ -129,13 +129,14 @@ class QuantizedWire:
     bytes shrink as they would in a quantized pool; the K/V land rounded to the format."""
 
     def __init__(self, pool: PagedKVPool, format_name: str) -> None:
-        from minipd.kv.quant import FORMATS
+        from minipd.kv.quant import FORMATS, PER_TOKEN_FORMATS
 
         if pool.spec.is_quantized:
             raise ValueError("kv_transfer_dtype compresses a float pool on the wire; this pool is already "
                              f"{pool.spec.quant}")
-        if format_name not in FORMATS or FORMATS[format_name].per_channel_keys:
-            raise ValueError(f"kv_transfer_dtype must be one of 'int8', 'fp8', 'int4_per_token', got {format_name!r}")
+        if format_name not in PER_TOKEN_FORMATS:
+            raise ValueError(f"kv_transfer_dtype must be one of {', '.join(map(repr, PER_TOKEN_FORMATS))}, "
+                             f"got {format_name!r}")
         self.pool, self.fmt = pool, FORMATS[format_name]
         spec = pool.spec
         self.row = spec.num_kv_heads * spec.head_dim // self.fmt.pack  # code bytes of one token of one layer
