@@ -91,11 +91,10 @@ class MoE(nn.Module):
             from minipd.kernels.fused_moe import fused_moe_triton
 
             out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
-        elif capped:
-            batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
-            out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         else:
-            batch = self.dispatcher.dispatch(rows, weights, expert_ids)
+            # Over capacity, slots marked -1 are skipped (only the local dispatcher takes `dropped`).
+            batch = (self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
+                     if capped else self.dispatcher.dispatch(rows, weights, expert_ids))
             out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]
