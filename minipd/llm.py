@@ -10,8 +10,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +26,9 @@ from minipd.models.loading import load_model
 from minipd.outputs import RequestOutput, RequestStream, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from minipd.moe.ranks import ExpertParallelRanks
 
 logger = logging.getLogger("minipd")
 
@@ -40,7 +45,8 @@ class LLM:
         **engine_options: :class:`~minipd.engine.config.EngineConfig` fields — ``block_size``,
             ``num_kv_blocks``, ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
             ``enable_prefix_caching``, ``scheduling_policy``, ``kernel_backend``, ``kv_cache_dtype``,
-            ``stats_history``.
+            ``stats_history``; ``expert_parallel_size=N`` spreads a mixture-of-experts model's experts over N
+            processes (call :meth:`close`, or use the ``LLM`` as a context manager, to stop them early).
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, device: str | torch.device | None = None,
@@ -58,11 +64,34 @@ class LLM:
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        #: The other processes holding this model's experts (``expert_parallel_size > 1``), else None.
+        self.expert_parallel: ExpertParallelRanks | None = None
+        if engine_config.expert_parallel_size > 1:
+            from minipd.moe.ranks import start_ranks
+
+            self.expert_parallel = start_ranks(
+                self.model, self.model_path, engine_config.expert_parallel_size, moe_backend=engine_config.moe_backend,
+                timeout=engine_config.expert_parallel_timeout,
+                micro_batches=2 if engine_config.expert_parallel_overlap else 1)
+            self.expert_parallel.group.overlap = engine_config.expert_parallel_overlap
+            # Stop the ranks when this LLM is collected or the interpreter exits, if close() was not called.
+            self._finalizer = weakref.finalize(self, self.expert_parallel.close)
         self.engine = Engine(self.model, self.tokenizer, engine_config, self.max_model_len, frozenset(eos), seed)
         # One lock around the engine: threads submit and step in turn, never at once.
         self._lock = threading.RLock()
         logger.info("KV pool: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.engine.pool.num_blocks,
                     engine_config.block_size, self.kv_capacity_tokens, self.engine.pool.nbytes / 2**20)
+
+    def close(self) -> None:
+        """Stop the processes this LLM started (expert-parallel ranks); a no-op otherwise. Idempotent."""
+        if self.expert_parallel is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def device(self) -> torch.device:

@@ -39,6 +39,12 @@ class EngineConfig:
             or as stored (``"auto"``).
         moe_dispatch_dtype: round the rows sent to the routed experts to ``"int8"`` or ``"fp8"`` with a
             scale per token, as a compressed all-to-all would carry them, or not (``"auto"``).
+        expert_parallel_size: spread every MoE layer's experts over this many processes (1: all here).
+            Rank 0 is the engine's process; the others are spawned and serve their experts, with
+            tokens sent to them and back by all-to-all (see :mod:`minipd.moe.expert_parallel`).
+        expert_parallel_timeout: seconds a layer's collectives may take before a rank counts as gone.
+        expert_parallel_overlap: split each layer's tokens in two micro-batches and overlap one's
+            communication with the other's experts (False: one batch, each collective waited for).
         record_routing: keep each step's routing per MoE layer (tokens per expert, top-k weight entropy)
             in the step stats (costs a device-to-host copy per MoE layer per step).
         kv_cache_dtype: how K/V are stored: ``"auto"`` (the model's dtype), ``"float32"``,
@@ -80,6 +86,9 @@ class EngineConfig:
     moe_overflow: str = "drop"
     router_dtype: str = "auto"
     moe_dispatch_dtype: str = "auto"
+    expert_parallel_size: int = 1
+    expert_parallel_timeout: float = 60.0
+    expert_parallel_overlap: bool = True
     record_routing: bool = False
     kv_cache_dtype: str = "auto"
     kv_adaptive_format: str = "int8"
@@ -165,6 +174,23 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         if not isinstance(self.record_routing, bool):
             raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        size = self.expert_parallel_size
+        if not is_integer(size) or size < 1:
+            raise ValueError(f"expert_parallel_size must be a positive integer, got {size!r}")
+        self.expert_parallel_size = int(size)
+        timeout = self.expert_parallel_timeout
+        if not is_real(timeout) or not timeout > 0:
+            raise ValueError(f"expert_parallel_timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(self.expert_parallel_overlap, bool):
+            raise ValueError(f"expert_parallel_overlap must be True or False, got {self.expert_parallel_overlap!r}")
+        if size > 1 and self.moe_capacity_factor is not None:
+            raise ValueError("moe_capacity_factor needs all experts in one process: use it with expert_parallel_size=1")
+        if size > 1 and self.moe_backend == "triton":
+            raise ValueError("moe_backend='triton' fuses the token permutation with local experts; with "
+                             "expert_parallel_size > 1 use 'loop', 'grouped_mm' or 'auto'")
 
     def _check_adaptive(self) -> None:
         from minipd.kv.quant import PER_TOKEN_FORMATS as formats

@@ -28,13 +28,16 @@ class MoE(nn.Module):
     ``topk_group``, ``routed_scaling_factor``, and ``renormalize`` as ``norm_topk_prob``).
     ``implementation`` picks the experts' matmul path (see :class:`~minipd.moe.experts.StackedExperts`)
     and ``dispatcher`` replaces the local one (e.g. with an expert-parallel all-to-all).
-    ``shared_expert_intermediate_size`` adds Qwen2-MoE's shared expert and its sigmoid gate.
+    ``shared_expert_intermediate_size`` adds Qwen2-MoE's shared expert and its sigmoid gate;
+    ``shared_expert_gated=False`` adds it ungated, as DeepSeek-V3's ``n_shared_experts`` (one SwiGLU as
+    wide as all of them together: the same function, since their outputs are simply summed).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  scoring: Literal["softmax", "sigmoid"] = "softmax", renormalize: bool = True, n_group: int = 1,
                  topk_group: int = 1, routed_scaling_factor: float = 1.0, implementation: Implementation = "auto",
-                 dispatcher: Dispatcher | None = None, shared_expert_intermediate_size: int = 0) -> None:
+                 dispatcher: Dispatcher | None = None, shared_expert_intermediate_size: int = 0,
+                 shared_expert_gated: bool = True) -> None:
         super().__init__()
         self.router: Router
         if scoring == "softmax":
@@ -53,7 +56,8 @@ class MoE(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(hidden_size, shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     #: When a list: each forward appends ``(tokens per expert (E,), mean entropy of the top-k weights)``,
     #: both on the host (``record_routing=True`` turns it on in the engine; it costs a sync per layer).
@@ -75,9 +79,6 @@ class MoE(nn.Module):
         """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
-        # The rows the routed experts get, as a quantized all-to-all would deliver them (the shared expert
-        # runs where the token is, on the rows as they are).
-        rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
         capped = self.capacity_factor is not None
         if capped:
             if not isinstance(self.router, SoftmaxRouter) or not isinstance(self.dispatcher, LocalDispatcher):
@@ -87,17 +88,25 @@ class MoE(nn.Module):
                                                    self.router.renormalize)
         if self.routing_log is not None:
             self.routing_log.append(routing_summary(weights, expert_ids, self.router.num_experts))
+        # The routed experts get the rows as a quantized all-to-all would deliver them (the shared expert
+        # runs where the token is, on the rows as they are).
         if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher) and not capped:
             from minipd.kernels.fused_moe import fused_moe_triton
 
+            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
             out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
-        else:
+        elif capped:
             # Over capacity, slots marked -1 are skipped (only the local dispatcher takes `dropped`).
-            batch = (self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
-                     if capped else self.dispatcher.dispatch(rows, weights, expert_ids))
+            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
+            batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
             out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
+        else:
+            out = self.dispatcher.run(hidden, weights, expert_ids, self.experts, self.dispatch_format)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)  # type: ignore[misc]
+            shared = self.shared_expert(hidden)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
         return out.view(x.shape)
 
 

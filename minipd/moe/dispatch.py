@@ -11,10 +11,13 @@ the answers home (a second all-to-all) before the same weighted sum.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
+
+from minipd.kv.quant import fake_quantize
 
 
 @dataclass
@@ -49,6 +52,18 @@ class Dispatcher(ABC, Generic[BatchT]):
 
         ``expert_out`` (N, hidden) is row-aligned with ``batch.hidden``.
         """
+
+    def run(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, experts: Callable,
+            row_format: str | None = None) -> torch.Tensor:
+        """The whole expert stage: dispatch, ``experts(rows, counts)``, combine; (T, hidden) out.
+
+        ``row_format`` (``"int8"``, ``"fp8"``): the rows reach the experts rounded to it, as a compressed
+        all-to-all would deliver them. A dispatcher that overlaps moving rows with computing on them
+        (:class:`~minipd.moe.expert_parallel.ExpertParallelDispatcher`) overrides this.
+        """
+        rows = hidden if row_format is None else fake_quantize(hidden, row_format)
+        batch = self.dispatch(rows, weights, expert_ids)
+        return self.combine(experts(batch.hidden, batch.counts), batch)
 
 
 @dataclass
