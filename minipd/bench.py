@@ -12,7 +12,9 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 - ``adaptive`` (run on its own): every KV format in the same memory under growing bursts: preemptions,
   concurrency and quality (:mod:`minipd.bench_adaptive`);
 - ``moe`` (run on its own): the MoE kernel ladder, loop against grouped matmul (and the fused Triton
-  kernel on a GPU) on one MoE layer (:mod:`minipd.bench_moe`).
+  kernel on a GPU) on one MoE layer (:mod:`minipd.bench_moe`);
+- ``ep`` (run on its own): expert parallelism over processes, serial against overlapped micro-batches
+  against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench_ep`).
 
 ``--scale`` shrinks every workload (request counts and lengths) for a quick look.
 """
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print each comparison with its ratio and target."""
     parser = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py")
-    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "adaptive", "moe", "all"],
+    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "adaptive", "moe", "ep",
+                                                   "all"],
                         default="all",
                         help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
@@ -206,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         from minipd.bench_moe import main as moe_main
 
         return moe_main("tiny-py-moe" if args.model == "tiny-py" else args.model, args.scale)
+    if args.workload == "ep":
+        from minipd.bench_ep import main as ep_main
+
+        return ep_main("tiny-py-moe" if args.model == "tiny-py" else args.model, args.scale)
 
     from transformers import AutoModelForCausalLM
 

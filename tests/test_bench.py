@@ -62,3 +62,18 @@ def test_the_moe_ladder_times_every_path_that_runs_here(capsys):
     assert all(line.strip().endswith("1.00x") for line in rows if " loop " in line)
     if not torch.cuda.is_available():
         assert "triton (fused kernel): not run, it needs a CUDA GPU" in out
+
+
+def test_the_ep_bench_reports_overlap_and_the_wire_bytes(capsys):
+    from minipd.bench_ep import main
+
+    assert main("tiny-py-moe", scale=0.25) == 0
+    out = capsys.readouterr().out
+    assert "communication hidden by two overlapped micro-batches" in out
+    wire = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().split()[:1]
+            and line.split()[0] in ("float32", "int8", "fp8")}
+    hidden = 256  # tiny-py-moe
+    assert float(wire["float32"][1]) == 4 * hidden  # fp32 rows out, fp32 answers back
+    assert float(wire["int8"][1]) == float(wire["fp8"][1]) == hidden + 2  # codes and a 2-byte scale
+    assert float(wire["int8"][2]) == 4 * hidden
+    assert wire["float32"][-1] == "100.0%"
