@@ -102,10 +102,17 @@ def test_one_rank_with_tokens_gets_the_local_layers_answer(world, micro_batches,
     groups = _groups(world, micro_batches=micro_batches)
     for g in groups:
         g.overlap = overlap
+    groups[0].trace = []
     tokens = torch.randn(7, HIDDEN)
     out = _run_ranks(groups, layer, [tokens] + [None] * (world - 1))[0]
     torch.testing.assert_close(out, _local(layer, tokens))
     stats = groups[0].stats
+    assert sum(stats.dispatch_sent_to.values()) == stats.dispatch_sent
+    assert sum(stats.combine_received_from.values()) == stats.combine_received
+    (events,) = groups[0].trace
+    assert sorted(e[0] for e in events) == sorted(f"{what} {m}" for what in ("dispatch", "experts", "combine")
+                                                  for m in range(micro_batches))
+    assert all(start <= end for _, start, end in events)
     # Every (token, expert) pair for another rank's experts left as one fp32 row, and came back as one.
     _, ids = layer.router(tokens)
     remote = int((ids >= EXPERTS // world).sum())

@@ -75,6 +75,9 @@ class CommStats:
     #: Seconds spent running this rank's experts on rows it received.
     expert_seconds: float = 0.0
     per_layer_rows: dict[int, int] = field(default_factory=dict)
+    #: Dispatched bytes this rank sent to each other rank, and combined bytes it got back from each.
+    dispatch_sent_to: dict[int, int] = field(default_factory=dict)
+    combine_received_from: dict[int, int] = field(default_factory=dict)
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -115,6 +118,10 @@ class ExpertParallelGroup:
         self.micro_batches = micro_batches
         self.overlap = overlap
         self.stats = CommStats()
+        #: When a list, each layer call appends its timeline: ``(what, start, end)`` in ``perf_counter``
+        #: seconds, ``what`` one of ``dispatch m``, ``experts m``, ``combine m``. A transfer's end is when
+        #: this rank learned it was done (its wait returned), an upper bound on when it really finished.
+        self.trace: list[list[tuple[str, float, float]]] | None = None
         self.broken: str | None = None
 
     @classmethod
@@ -302,39 +309,54 @@ class ExpertParallelDispatcher(Dispatcher[LocalExpertBatch]):
         def empty(rows: int, cols: int, kind: torch.dtype) -> torch.Tensor:
             return torch.empty(rows, cols, dtype=kind, device=device)
 
+        events: list[tuple[str, float, float]] = []
+        stats = group.stats
+
+        def landed(work: Any, what: str, issued: float) -> None:
+            group.wait(work)
+            events.append((what, issued, time.perf_counter()))
+
         # 1. every micro-batch's dispatch is started at once; micro-batch m+1 travels while m computes.
-        arrivals, dispatches = [], []
+        arrivals, dispatches, issued = [], [], []
         for m in range(splits):
             rows_in = incoming[:, m].sum(dim=1).tolist()
             send = payloads[m] if m < len(payloads) else empty(0, width, wire_dtype)
             out_splits = sent_rows[m] if m < len(sent_rows) else [0] * world
             buffer = empty(sum(rows_in), width, wire_dtype)
+            issued.append(time.perf_counter())
             dispatches.append(group.all_to_all(buffer, send.contiguous(), rows_in, out_splits))
             arrivals.append((buffer, rows_in, out_splits))
-            group.stats.dispatch_sent += _off_rank_bytes(send, out_splits, group.rank)
-            group.stats.dispatch_received += _off_rank_bytes(buffer, rows_in, group.rank)
-            group.stats.rows_sent += sum(out_splits) - out_splits[group.rank]
+            stats.dispatch_sent += _off_rank_bytes(send, out_splits, group.rank)
+            stats.dispatch_received += _off_rank_bytes(buffer, rows_in, group.rank)
+            stats.rows_sent += sum(out_splits) - out_splits[group.rank]
+            _add_per_rank(stats.dispatch_sent_to, send, out_splits, group.rank)
             if not group.overlap:  # serial: nothing else to do until it lands
-                group.wait(dispatches[-1])
+                landed(dispatches[m], f"dispatch {m}", issued[m])
         # 2. compute each micro-batch as it lands and start its combine.
         returns, results = [], []
         for m, (buffer, rows_in, out_splits) in enumerate(arrivals):
-            group.wait(dispatches[m])
+            if group.overlap:
+                landed(dispatches[m], f"dispatch {m}", issued[m])
             start = time.perf_counter()
             answers = self._run_local(decode_rows(buffer, wire_format, dtype), incoming[:, m], experts)
-            group.stats.expert_seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            stats.expert_seconds += end - start
+            events.append((f"experts {m}", start, end))
             result = empty(sum(out_splits), hidden_size, answers.dtype)
-            returns.append(group.all_to_all(result, answers, out_splits, rows_in))
+            returns.append((group.all_to_all(result, answers, out_splits, rows_in), time.perf_counter()))
             results.append(result)
-            group.stats.combine_sent += _off_rank_bytes(answers, rows_in, group.rank)
-            group.stats.combine_received += _off_rank_bytes(result, out_splits, group.rank)
+            stats.combine_sent += _off_rank_bytes(answers, rows_in, group.rank)
+            stats.combine_received += _off_rank_bytes(result, out_splits, group.rank)
+            _add_per_rank(stats.combine_received_from, result, out_splits, group.rank)
             if not group.overlap:
-                group.wait(returns[-1])
-        for work in returns:
-            group.wait(work)
-        group.stats.calls += 1
-        group.stats.per_layer_rows[self.layer_index] = (group.stats.per_layer_rows.get(self.layer_index, 0)
-                                                        + int(incoming.sum()))
+                landed(returns[m][0], f"combine {m}", returns[m][1])
+        if group.overlap:
+            for m, (work, started) in enumerate(returns):
+                landed(work, f"combine {m}", started)
+        stats.calls += 1
+        stats.per_layer_rows[self.layer_index] = stats.per_layer_rows.get(self.layer_index, 0) + int(incoming.sum())
+        if group.trace is not None:
+            group.trace.append(events)
         return results[:len(payloads)]
 
     @staticmethod
@@ -358,6 +380,16 @@ class ExpertParallelDispatcher(Dispatcher[LocalExpertBatch]):
 def _wire_width(wire_format: str, hidden_size: int) -> int:
     """Bytes per dispatched row in ``wire_format``: codes then a 2-byte scale."""
     return hidden_size // FORMATS[wire_format].pack + 2
+
+
+def _add_per_rank(totals: dict[int, int], data: torch.Tensor, splits: list[int], rank: int) -> None:
+    """Add the bytes of ``data`` (rows split by rank) going to (or coming from) each other rank to ``totals``."""
+    if data.shape[0] == 0:
+        return
+    row_bytes = data[0].numel() * data.element_size()
+    for other, rows in enumerate(splits):
+        if other != rank and rows:
+            totals[other] = totals.get(other, 0) + rows * row_bytes
 
 
 def _off_rank_bytes(data: torch.Tensor, splits: list[int], rank: int) -> int:
