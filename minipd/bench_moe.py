@@ -25,12 +25,14 @@ def _layers(model: str) -> list[tuple[str, torch.nn.Module]]:
     from minipd.layers.moe import MoE
     from minipd.models import load_model
 
-    ours, _ = load_model(model, device="cpu", dtype=torch.float32)
+    # On a GPU the layers run there (the fused kernel needs CUDA tensors), in fp32 like on the CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours, _ = load_model(model, device=device, dtype=torch.float32)
     bundled = next(m for m in ours.modules() if isinstance(m, MoE))
     torch.manual_seed(0)
     name, hidden, inter, experts, top_k = LARGE
     return [(f"{model} layer 0 ({bundled.router.num_experts} experts, top-{bundled.top_k})", bundled),
-            (name, MoE(hidden, inter, experts, top_k).eval())]
+            (name, MoE(hidden, inter, experts, top_k).to(device).eval())]
 
 
 def backends() -> list[str]:
@@ -48,7 +50,9 @@ def backends() -> list[str]:
 def time_layer(layer: torch.nn.Module, tokens: int, paths: Sequence[str], rounds: int = 5,
                repeat: int = 3) -> dict[str, list[float]]:
     """Seconds per forward of ``layer`` on ``tokens`` random rows, for each path, ``rounds`` interleaved times."""
-    hidden = torch.randn(tokens, layer.router.weight.shape[1], generator=torch.Generator().manual_seed(tokens))
+    weight = layer.router.weight
+    hidden = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(weight.device)
+    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {p: [] for p in paths}
 
     def run(path: str) -> Callable[[], torch.Tensor]:
@@ -61,9 +65,11 @@ def time_layer(layer: torch.nn.Module, tokens: int, paths: Sequence[str], rounds
         for _ in range(rounds):
             for path in paths:
                 forward = run(path)
+                sync()
                 start = time.perf_counter()
                 for _ in range(repeat):
                     forward()
+                sync()
                 times[path].append((time.perf_counter() - start) / repeat)
     layer.experts.implementation = "auto"
     return times
