@@ -14,8 +14,10 @@ from typing import Any
 #: HF ``model_type`` values of the dense decoder families minipd implements.
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: Mixture-of-experts families: the same attention, with a routed set of SwiGLU experts as the MLP
-#: (Qwen2-MoE adds an always-on shared expert behind a sigmoid gate).
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+#: (Qwen2-MoE adds an always-on shared expert behind a sigmoid gate). DeepSeek-V3 routes by sigmoid
+#: scores within expert groups, adds ungated shared experts, keeps its first layers dense, and replaces
+#: per-head K/V with multi-head latent attention (MLA).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 #: Fields every ``config.json`` must give, each a positive integer.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -25,7 +27,7 @@ OPTIONAL_POSITIVE_FIELDS = ("num_key_value_heads", "head_dim", "max_position_emb
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding: base ``theta`` and optional llama3-style frequency scaling."""
+    """Rotary position embedding: base ``theta`` and optional llama3- or YaRN-style frequency scaling."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -33,6 +35,15 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    #: YaRN: the rotation counts bounding the band blended between interpolation and extrapolation.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: YaRN: ``mscale`` and ``mscale_all_dim`` set the factor cos/sin are multiplied by (and DeepSeek's
+    #: softmax scale); ``attention_factor`` overrides the former when the config gives it.
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,42 @@ class ModelConfig:
     norm_topk_prob: bool = True
     #: Per layer: True where the MLP is the mixture (Qwen-MoE may keep dense MLPs in some layers).
     moe_layers: tuple[bool, ...] = ()
+    #: How the router scores experts: ``"softmax"`` (Mixtral, Qwen-MoE) or ``"sigmoid"`` with a
+    #: selection-only bias and group-limited top-k (DeepSeek-V3: ``n_group``, ``topk_group``).
+    router_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    #: DeepSeek-V3 multiplies the routed experts' weights by this before adding the shared experts.
+    routed_scaling_factor: float = 1.0
+    #: Whether the shared expert sits behind a per-token sigmoid gate (Qwen2-MoE) or is added as is (DeepSeek).
+    shared_expert_gated: bool = True
+    #: Multi-head latent attention (DeepSeek-V3); ``kv_lora_rank`` 0 means ordinary per-head K/V.
+    #: Queries come from ``hidden`` directly (``q_lora_rank`` None) or through a rank-``q_lora_rank`` bottleneck;
+    #: keys and values are up-projected from one ``kv_lora_rank`` latent per token, plus one
+    #: ``qk_rope_head_dim`` rotary key shared by all heads. ``head_dim`` is then the q/k head size
+    #: ``qk_nope_head_dim + qk_rope_head_dim``, and each head's value has ``v_head_dim``.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    #: RoPE on channel pairs ``(0, 1), (2, 3), ...`` instead of halves ``(i, i + d/2)`` (DeepSeek's layout).
+    rope_interleave: bool = False
+
+    @property
+    def is_mla(self) -> bool:
+        """True for multi-head latent attention: the cache keeps a latent per token, not per-head K and V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE rotates per head: all of ``head_dim``, or MLA's decoupled rope part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Elements MLA caches per token and layer: the latent and the shared rotary key (0 without MLA)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else 0
 
     @property
     def is_moe(self) -> bool:
@@ -92,7 +139,9 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        """Bytes of K and V one token keeps in the cache across all layers."""
+        """Bytes of K and V one token keeps in the cache across all layers (MLA: its latent and rope key)."""
+        if self.is_mla:
+            return self.num_hidden_layers * self.kv_latent_dim * bytes_per_element
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_element
 
     @classmethod
@@ -113,6 +162,10 @@ class ModelConfig:
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        mla = _read_mla(raw, model_type)
+        if mla:
+            # HF sets DeepSeek's head_dim to the rope part (for its rotary table); ours is the q/k head size.
+            head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
         layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -136,6 +189,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             **_read_moe(raw, model_type, layers),
+            **mla,
         )
 
     @classmethod
@@ -178,15 +232,28 @@ def _read_rope(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported; minipd implements 'default' and 'llama3'")
+    if rope_type not in ("default", "llama3", "yarn"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported; minipd implements 'default', 'llama3' and "
+                         "'yarn'")
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and original:
+        # As HF: a YaRN config without a factor stretches the original context to max_position_embeddings.
+        factor = raw.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -204,7 +271,25 @@ def _read_moe(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, An
     """The mixture-of-experts fields of :class:`ModelConfig` (all defaults for a dense family)."""
     if model_type not in MOE_FAMILIES:
         return {}
-    experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts") or 0
+    if model_type == "deepseek_v3":
+        # Layers before first_k_dense_replace keep a dense MLP (as HF; the original code's moe_layer_freq is 1).
+        first_sparse = raw.get("first_k_dense_replace") or 0
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": raw.get("num_experts_per_tok", 0),
+            "moe_intermediate_size": raw.get("moe_intermediate_size") or 0,
+            # n_shared_experts experts that every token uses are one SwiGLU that many times as wide.
+            "shared_expert_intermediate_size": (raw.get("n_shared_experts") or 0) * (raw.get("moe_intermediate_size")
+                                                                                     or 0),
+            "shared_expert_gated": False,
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+            "moe_layers": tuple(experts > 0 and i >= first_sparse for i in range(layers)),
+            "router_scoring": "sigmoid",
+            "n_group": raw.get("n_group") or 1,
+            "topk_group": raw.get("topk_group") or 1,
+            "routed_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+        }
     if model_type == "mixtral":
         return {"num_experts": experts, "num_experts_per_tok": raw.get("num_experts_per_tok", 0)}
     # Qwen-MoE: a layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer.
@@ -219,6 +304,25 @@ def _read_moe(raw: dict[str, Any], model_type: str, layers: int) -> dict[str, An
         "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
         "moe_layers": tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
     }
+
+
+def _read_mla(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The multi-head latent attention fields of :class:`ModelConfig` (none for a family without MLA)."""
+    if model_type != "deepseek_v3":
+        return {}
+    fields = {name: raw.get(name) for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"field {name!r} must be a positive integer, got {value!r}")
+    if fields["qk_rope_head_dim"] % 2:
+        raise ValueError(f"field 'qk_rope_head_dim' must be even (RoPE turns channel pairs), got "
+                         f"{fields['qk_rope_head_dim']}")
+    q_lora_rank = raw.get("q_lora_rank")
+    if q_lora_rank is not None and (not isinstance(q_lora_rank, int) or isinstance(q_lora_rank, bool)
+                                    or q_lora_rank < 1):
+        raise ValueError(f"field 'q_lora_rank' must be null or a positive integer, got {q_lora_rank!r}")
+    # HF's default is interleaved pairs, so a config.json that does not say is interleaved.
+    return {**fields, "q_lora_rank": q_lora_rank, "rope_interleave": bool(raw.get("rope_interleave", True))}
 
 
 def _read_sliding_windows(raw: dict[str, Any], layers: int) -> tuple[int | None, ...]:

@@ -63,10 +63,40 @@ class ParamCounts:
 
 
 def _attention_weights_per_layer(config: ModelConfig) -> int:
-    """Weights of q, k, v and o in one layer (no biases)."""
+    """Weights of q, k, v and o in one layer (no biases, no norms).
+
+    Multi-head latent attention (DeepSeek-V3): the query projection (directly, or down to ``q_lora_rank``
+    and back up), the down-projection to the latent and shared rope key (``kv_a``), the up-projection of
+    the latent to every head's no-rope key and value (``kv_b``), and o.
+    """
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    if config.is_mla:
+        q_out = heads * config.head_dim
+        q = hidden * q_out if config.q_lora_rank is None else config.q_lora_rank * (hidden + q_out)
+        kv_a = hidden * config.kv_latent_dim
+        kv_b = config.kv_lora_rank * heads * (config.qk_nope_head_dim + config.v_head_dim)
+        return q + kv_a + kv_b + heads * config.v_head_dim * hidden
+    q = heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    return hidden * (q + 2 * kv) + q * hidden
+
+
+def _attention_extras_per_layer(config: ModelConfig) -> int:
+    """Biases and norm weights of one layer's attention (see :func:`count_parameters`)."""
+    if config.is_mla:
+        # The latent's RMSNorm, the query bottleneck's; with attention_bias, biases on q_a, kv_a and o.
+        extras = config.kv_lora_rank + (config.q_lora_rank or 0)
+        if config.attention_bias:
+            extras += (config.q_lora_rank or 0) + config.kv_latent_dim + config.hidden_size
+        return extras
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    return config.hidden_size * (q + 2 * kv) + q * config.hidden_size
+    extras = 0
+    if config.attention_bias:
+        extras += q + 2 * kv + (config.hidden_size if config.o_proj_bias else 0)
+    if config.qk_norm:
+        extras += 2 * config.head_dim
+    return extras
 
 
 def _expert_params(config: ModelConfig) -> int:
@@ -83,7 +113,9 @@ def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int]:
         return dense, dense
     always = hidden * config.num_experts  # the router
     if config.shared_expert_intermediate_size:
-        always += 3 * hidden * config.shared_expert_intermediate_size + hidden  # and its sigmoid gate
+        always += 3 * hidden * config.shared_expert_intermediate_size  # the shared expert(s)
+        if config.shared_expert_gated:
+            always += hidden  # and Qwen2-MoE's sigmoid gate
     return (config.num_experts * _expert_params(config) + always,
             config.num_experts_per_tok * _expert_params(config) + always)
 
@@ -99,7 +131,7 @@ def _mlp_io(config: ModelConfig, layer: int) -> int:
         return swiglu(config.intermediate_size)
     io = config.num_experts_per_tok * swiglu(config.expert_intermediate_size) + hidden + config.num_experts
     if config.shared_expert_intermediate_size:
-        io += swiglu(config.shared_expert_intermediate_size) + hidden + 1
+        io += swiglu(config.shared_expert_intermediate_size) + (hidden + 1 if config.shared_expert_gated else 0)
     return io
 
 
@@ -111,15 +143,14 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
     Qwen3 adds a ``head_dim`` RMSNorm weight for q and one for k per layer. A router is
     ``hidden × num_experts``, no bias; Qwen2-MoE's shared expert is a SwiGLU and a ``hidden × 1`` gate;
     Qwen-MoE layers listed as dense have a plain MLP of ``intermediate_size``.
+
+    DeepSeek-V3: multi-head latent attention (see :func:`_attention_weights_per_layer`) with an RMSNorm
+    on the latent and one on the query bottleneck, counted with the attention; ``n_shared_experts``
+    ungated shared experts; the first ``first_k_dense_replace`` layers dense. The router's
+    ``e_score_correction_bias`` is a buffer in HF, not a parameter, and is not counted.
     """
     layers = config.num_hidden_layers
-    q = config.num_attention_heads * config.head_dim
-    kv = config.num_key_value_heads * config.head_dim
-    attention = _attention_weights_per_layer(config)
-    if config.attention_bias:
-        attention += q + 2 * kv + (config.hidden_size if config.o_proj_bias else 0)
-    if config.qk_norm:
-        attention += 2 * config.head_dim
+    attention = _attention_weights_per_layer(config) + _attention_extras_per_layer(config)
     mlps = [_mlp_params(config, i) for i in range(layers)]
     embedding = config.vocab_size * config.hidden_size
     return ParamCounts(
@@ -149,8 +180,40 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
     K and V (the 2) for each KV head, not each query head: grouped-query attention shrinks the cache
     by ``num_attention_heads / num_key_value_heads``. ``dtype_bytes`` is 2 for bf16/fp16, 4 for
     fp32, 1 for an int8/fp8 cache.
+
+    Multi-head latent attention caches no per-head K or V at all, only each token's latent and its
+    shared rope key: ``layers · (kv_lora_rank + qk_rope_head_dim) · bytes``.
     """
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    return config.num_hidden_layers * _kv_elements_per_layer(config) * dtype_bytes
+
+
+def mha_kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes per token the same attention would cache with a K and a V for every query head (plain MHA).
+
+    ``layers · heads · (k head size + v head size) · bytes``: what grouped-query attention or MLA is
+    compared against. For MLA a key head is ``qk_nope_head_dim + qk_rope_head_dim`` wide and a value
+    head ``v_head_dim``, as the up-projected K and V are.
+    """
+    v_dim = config.v_head_dim if config.is_mla else config.head_dim
+    return config.num_hidden_layers * config.num_attention_heads * (config.head_dim + v_dim) * dtype_bytes
+
+
+def _kv_elements_per_layer(config: ModelConfig) -> int:
+    """Elements one token caches in one layer: K and V of each KV head, or MLA's latent and rope key."""
+    return config.kv_latent_dim if config.is_mla else 2 * config.num_key_value_heads * config.head_dim
+
+
+def _attention_flops_per_key(config: ModelConfig) -> int:
+    """FLOPs of one (query, visible key) pair in one layer: ``q·kᵀ`` and ``weights·v`` for every query head.
+
+    MLA is counted in its absorbed form, the one a decode runs: each head's query is folded into the
+    latent space, so it scores the ``kv_lora_rank + qk_rope_head_dim`` cached row and sums ``kv_lora_rank``
+    latent values (the up-projections are in the linear FLOPs, once per token).
+    """
+    heads = config.num_attention_heads
+    if config.is_mla:
+        return 2 * heads * (config.kv_latent_dim + config.kv_lora_rank)
+    return 4 * heads * config.head_dim
 
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
@@ -262,7 +325,7 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
     # FLOPs.
     linear_flops = 2 * tokens * matmul_weights_per_token(config)
     keys_seen = sum(_sum_min(cached + 1, cached + new, w) for w in windows for cached, new in chunks)
-    attention_flops = 4 * q_dim * keys_seen
+    attention_flops = _attention_flops_per_key(config) * keys_seen
     lm_head_flops = 2 * seqs * hidden * vocab
 
     # Weights: the layers and the final norm, and the LM head matrix (the embedding table when tied).
@@ -276,7 +339,7 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
     weight_bytes = dtype_bytes * (layer_params + vocab * hidden)
 
     # KV cache: each layer reads the union of the windows its new queries see, and writes the new K/V.
-    kv_layer_token = 2 * kv_dim * kv_dtype_bytes
+    kv_layer_token = _kv_elements_per_layer(config) * kv_dtype_bytes
     kv_read = 0
     for w in windows:
         for cached, new in chunks:
@@ -288,6 +351,12 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
     # Activations, per token and layer: qkv_proj in/out, attention q in / out, o_proj in/out, then
     # the MLP (per routed expert: gate_up in/out and down in/out; plus the router's in/out).
     attention_io = (hidden + q_dim + 2 * kv_dim) + 2 * q_dim + (q_dim + hidden)
+    if config.is_mla:
+        # Projections in and out (the query bottleneck, q, the latent), the absorbed query and the
+        # latent attention output per head, then o_proj's input and output.
+        latent_q = config.num_attention_heads * config.kv_latent_dim
+        attention_io = (2 * hidden + 2 * (config.q_lora_rank or 0) + q_dim + config.kv_latent_dim
+                        + 2 * latent_q + config.num_attention_heads * config.v_head_dim + hidden)
     per_token = sum(attention_io + _mlp_io(config, i) for i in range(config.num_hidden_layers))
     # Plus the embedding row each token looks up, and the LM head's input and logits per sampled row.
     activation_elems = tokens * (per_token + hidden) + seqs * (hidden + vocab)
@@ -375,6 +444,26 @@ _PRESET_CONFIGS: dict[str, dict] = {
                        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                        tie_word_embeddings=True, attention_bias=False, bos_token_id=151643,
                        eos_token_id=151645),
+    # huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json — 30.5B parameters, 3.3B active
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          tie_word_embeddings=False, attention_bias=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          bos_token_id=151643, eos_token_id=151645),
+    # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json — 671B parameters, 37B active (not counting
+    # the multi-token-prediction layer the checkpoint adds); multi-head latent attention, YaRN RoPE.
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+                        rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+                        tie_word_embeddings=False, attention_bias=False, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+                        moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc", bos_token_id=0,
+                        eos_token_id=1),
     # huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json — 46,702,792,704 parameters
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -407,6 +496,7 @@ __all__ = [
     "decode_cost",
     "kv_bytes_per_token",
     "matmul_weights_per_token",
+    "mha_kv_bytes_per_token",
     "prefill_cost",
     "preset",
     "step_cost",

@@ -52,10 +52,16 @@ def hf_config(family: str, tie: bool = False, **overrides):
         # Every other layer sparse (decoder_sparse_step 2), renormalised top-k, q/k norms.
         "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
                           decoder_sparse_step=2, num_hidden_layers=4, head_dim=16),
+        # Multi-head latent attention (4 heads: MLA has no grouped K/V), 8 experts in 4 groups of which the
+        # best 2 compete, a shared expert, layer 0 dense. Not in FAMILIES: see tests/test_deepseek_v3.py.
+        "deepseek_v3": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3, kv_lora_rank=32,
+                            q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                            n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
     }[family]
     name = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
             "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
-            "qwen3_moe": "Qwen3MoeConfig"}[family]
+            "qwen3_moe": "Qwen3MoeConfig", "deepseek_v3": "DeepseekV3Config"}[family]
     return getattr(transformers, name)(**{**common, **extra, **overrides})
 
 

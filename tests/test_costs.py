@@ -44,6 +44,55 @@ def test_preset_details() -> None:
         costs.preset("gpt-5")
 
 
+def test_deepseek_v3_and_qwen3_moe_presets() -> None:
+    # DeepSeek-V3's report: 671B parameters, 37B activated per token (the MTP layer is not counted).
+    ds = costs.preset("deepseek-v3")
+    counts = costs.count_parameters(ds)
+    assert 670e9 < counts.total < 672e9 and 37e9 < counts.active < 38e9
+    assert [ds.layer_is_moe(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
+    assert (ds.n_group, ds.topk_group, ds.shared_expert_gated, ds.rope.rope_type) == (8, 4, False, "yarn")
+    # Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated.
+    qwen = costs.count_parameters(costs.preset("qwen3-30b-a3b"))
+    assert 30.4e9 < qwen.total < 30.6e9 and 3.3e9 < qwen.active < 3.4e9
+
+
+def test_mla_caches_a_latent_per_token() -> None:
+    ds = costs.preset("deepseek-v3")
+    # 61 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) in bf16, against K (128 + 64) and V (128) for 128 heads.
+    assert costs.kv_bytes_per_token(ds) == ds.kv_bytes_per_token() == 61 * 576 * 2 == 70_272
+    assert costs.mha_kv_bytes_per_token(ds) == 61 * 128 * (192 + 128) * 2 == 4_997_120
+    assert costs.mha_kv_bytes_per_token(ds) / costs.kv_bytes_per_token(ds) == pytest.approx(71.1, abs=0.05)
+    # Grouped-query attention's saving over MHA is its group size.
+    llama = costs.preset("llama-3-8b")
+    assert costs.mha_kv_bytes_per_token(llama) == 4 * costs.kv_bytes_per_token(llama)
+    # A decode step reads each visible latent once per layer; the absorbed attention costs
+    # 2 x heads x (576 + 512) FLOPs per (query, key, layer).
+    step = costs.decode_cost(ds, batch=2, context=100)
+    assert step.kv_read_bytes == 2 * 100 * 70_272 and step.kv_write_bytes == 2 * 70_272
+    assert step.attention_flops == 2 * 128 * (576 + 512) * 2 * 100 * 61
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": 24, "attention_bias": True, "first_k_dense_replace": 2}],
+                         ids=["q-direct", "q-lora-bias"])
+def test_deepseek_v3_parameter_counts_match_transformers(overrides: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = hf_config("deepseek_v3", **overrides)
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    cfg = ModelConfig.from_dict(hf_cfg.to_dict())
+    counts = costs.count_parameters(cfg)
+    groups = _hf_groups(model)
+    assert {k: getattr(counts, k) for k in groups} == groups
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    # minipd keeps the routers' correction bias as a (frozen) parameter; HF as a buffer.
+    moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+    ours = sum(p.numel() for p in DecoderModel(cfg).parameters())
+    assert ours == counts.total + moe_layers * cfg.num_experts
+    # Active: the dense layers whole; in the others the router, the shared expert and 2 of 8 experts.
+    expert = 3 * 64 * 32
+    assert counts.mlp - counts.mlp_active == moe_layers * (8 - 2) * expert
+
+
 def _hf_groups(model: torch.nn.Module) -> dict[str, int]:
     """Parameters of an HF model by the part of the model they belong to, from their names."""
     groups = {"embedding": 0, "attention": 0, "mlp": 0, "norms": 0, "lm_head": 0}

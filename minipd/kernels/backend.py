@@ -49,6 +49,8 @@ def _triton_limits(spec: KVSpec, model_dtype: torch.dtype) -> str | None:
 
     if not pow2(spec.block_size):
         return f"needs a power-of-two block_size (8, 16, 32, ...), got {spec.block_size}"
+    if spec.latent:
+        return None  # multi-head latent attention runs its own torch attention over the latents on any backend
     if not pow2(spec.head_dim):
         return f"needs a power-of-two head_dim, and this model's is {spec.head_dim}; use kernel_backend='torch'"
     if spec.is_quantized:

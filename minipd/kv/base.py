@@ -16,6 +16,11 @@ class KVCache(Protocol):
         head_dim) causally to all cached tokens; returns (T, q_heads, head_dim)."""
         ...
 
+    # A cache for multi-head latent attention models (DeepSeek-V3) also has
+    # ``attend_latent(layer_idx, q, rows, scale, up)``: it keeps one latent row per token instead of per-head
+    # K/V (see :meth:`minipd.kv.paged_cache.PagedKVCache.attend_latent`). It is not part of this protocol
+    # because caches of per-head K/V need not implement it.
+
     def advance(self, num_tokens: int) -> None:
         """Mark ``num_tokens`` more positions as cached, once every layer has appended them."""
         ...

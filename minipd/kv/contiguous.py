@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from minipd.kernels.mla import LatentUpProjection, absorbed_latent_attention, expanded_latent_attention
 from minipd.kv.base import KVCache
 from minipd.layers.attention import attention
 
@@ -15,7 +16,11 @@ __all__ = ["ContiguousKVCache", "KVCache"]
 
 
 class ContiguousKVCache:
-    """K/V for one sequence in contiguous per-layer buffers sized for ``max_len`` tokens."""
+    """K/V for one sequence in contiguous per-layer buffers sized for ``max_len`` tokens.
+
+    For a multi-head latent attention model, build it with ``num_kv_heads=1`` and ``head_dim`` the
+    config's ``kv_latent_dim``: K then holds each token's latent row and V is not used.
+    """
 
     def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -37,6 +42,23 @@ class ContiguousKVCache:
                sliding_window: int | None) -> torch.Tensor:
         k_all, v_all = self.append(layer_idx, k, v)
         return attention(q, k_all, v_all, scale, sliding_window)
+
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+                      up: LatentUpProjection) -> torch.Tensor:
+        """Append latent ``rows`` (T, latent_dim) and attend ``q`` (T, heads, nope + rope) to all of them;
+        a single query in the absorbed form when ``up.absorb_decode``, else expanded."""
+        end = self.length + rows.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} tokens; appending would make {end}")
+        if self.k.shape[-2:] != (1, rows.shape[-1]):
+            raise ValueError(f"a latent cache needs num_kv_heads=1 and head_dim={rows.shape[-1]}, this one has "
+                             f"{tuple(self.k.shape[-2:])}")
+        self.k[layer_idx, self.length:end, 0] = rows
+        cached = self.k[layer_idx, :end, 0]
+        if q.shape[0] == 1 and up.absorb_decode:
+            out = absorbed_latent_attention(up.absorb_query(q), cached[None], None, scale, up.kv_lora_rank)
+            return up.project_values(out)
+        return expanded_latent_attention(q, cached, scale, up)
 
     def advance(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from minipd.kernels.backend import KernelBackend
+from minipd.kernels.mla import (
+    LatentUpProjection,
+    paged_mla_decode_torch,
+    paged_mla_prefill_torch,
+    store_latent_torch,
+)
 from minipd.kv.paged_pool import PagedKVPool
 
 
@@ -109,6 +115,40 @@ class PagedKVCache:
         out = torch.empty_like(q)
         out[:num_decode] = self._decode(q[:num_decode], k_cache, v_cache, scale, sliding_window)
         out[num_decode:] = self._prefill(q[num_decode:], k_cache, v_cache, scale, sliding_window)
+        return out
+
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+                      up: LatentUpProjection) -> torch.Tensor:
+        """Multi-head latent attention: store each new token's ``rows`` (T, kv_lora_rank + rope) in the pool,
+        then attend ``q`` (T, heads, nope + rope) to every cached latent; returns (T, heads, v_head_dim).
+
+        Decode rows use the absorbed form (``up.absorb_decode``), prefill chunks expand the gathered
+        latents to per-head K/V (see :mod:`minipd.kernels.mla`). Both are torch code on every backend.
+        """
+        if not self.pool.spec.latent:
+            raise ValueError("this pool stores per-head K/V; a multi-head latent attention model needs a latent "
+                             "pool (KVSpec.for_model of its config)")
+        if self.parts is not None:
+            raise ValueError("kv_cache_dtype='adaptive' cannot serve multi-head latent attention")
+        if self.on_attend is not None:
+            raise ValueError("kv_eviction by received attention watches per-head keys; this model uses multi-head "
+                             "latent attention, whose pool holds compressed latents")
+        md = self.metadata
+        cache = self.pool.k[layer_idx]
+        store_latent_torch(rows, cache, md.slot_mapping)
+        if self.on_layer_stored is not None:
+            self.on_layer_stored(layer_idx)
+        num_decode = md.num_decode_tokens
+        out = q.new_empty(q.shape[0], q.shape[1], up.w_uv.shape[1])
+        if num_decode:
+            out[:num_decode] = paged_mla_decode_torch(q[:num_decode], cache, md.decode_block_tables,
+                                                      md.decode_context_lens, scale, up,
+                                                      context_lens_host=md.decode_context_lens_host)
+        if num_decode < q.shape[0]:
+            out[num_decode:] = paged_mla_prefill_torch(q[num_decode:], cache, md.prefill_block_tables,
+                                                       md.prefill_query_start_loc, md.prefill_context_lens, scale, up,
+                                                       query_start_host=md.prefill_query_start_host,
+                                                       context_lens_host=md.prefill_context_lens_host)
         return out
 
     def _attend_parts(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -51,6 +51,9 @@ class PackedKV:
 class PagedKVPool:
     """K and V for every layer, shaped (num_layers, num_blocks, block_size, kv_heads, head_dim).
 
+    A latent spec (multi-head latent attention) keeps only K, one row per token of latent and rope key;
+    V is allocated zero-width, so the pool's layout and block bookkeeping stay the same.
+
     A KIVI pool (``spec.has_residual_window``) also keeps ``residual_slots`` full-precision blocks of
     ``residual_dtype`` for sequences' filling blocks (:mod:`minipd.kv.residual`); they are local to
     this pool and never leave it.
@@ -62,7 +65,7 @@ class PagedKVPool:
         self.spec = spec
         zero = FORMATS[spec.quant].zero if spec.quant else 0  # what decodes to 0.0
         self.k = torch.full(shape, zero, dtype=spec.dtype, device=device)
-        self.v = torch.full(shape, zero, dtype=spec.dtype, device=device)
+        self.v = torch.full((spec.num_layers, num_blocks, *spec.v_block_shape), zero, dtype=spec.dtype, device=device)
         self.k_scale = self.v_scale = None
         if spec.scale_dtype is not None:
             self.k_scale = torch.ones((spec.num_layers, num_blocks, *spec.key_scale_shape), dtype=spec.scale_dtype,
@@ -123,6 +126,10 @@ class PagedKVPool:
 
     def keys(self, block_ids: torch.Tensor) -> torch.Tensor:
         """The keys of ``block_ids`` in every layer, as floats: ``(blocks, layers, block_size, heads, dim)``."""
+        if self.spec.latent:
+            raise ValueError("kv_eviction with a press that scores keys needs per-head keys, but this model uses "
+                             "multi-head latent attention and its pool holds compressed latents; choose a press "
+                             "that does not read keys, or no kv_eviction")
         layers = [self.layer(i, torch.float32)[0][block_ids] for i in range(self.spec.num_layers)]
         return torch.stack(layers, dim=1).float()
 
@@ -145,6 +152,7 @@ class PagedKVPool:
 
     def export_blocks(self, block_ids: Sequence[int], num_tokens: int) -> PackedKV:
         """Copy ``block_ids`` out, one packed ``(2, n, block_size, heads, dim)`` tensor per layer."""
+        _refuse_latent(self.spec, "exported")
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.k.device)
         layers = [torch.stack((self.k[layer, index], self.v[layer, index])) for layer in range(self.spec.num_layers)]
         scales = None
@@ -158,6 +166,7 @@ class PagedKVPool:
         if packed.spec != self.spec:
             raise ValueError(f"KV format mismatch: received {packed.spec.to_dict()}, this pool holds "
                              f"{self.spec.to_dict()}")
+        _refuse_latent(self.spec, "imported")
         if len(block_ids) != packed.num_blocks:
             raise ValueError(f"received {packed.num_blocks} blocks but {len(block_ids)} block ids to fill")
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.k.device)
@@ -168,3 +177,10 @@ class PagedKVPool:
             for layer, (k_scales, v_scales) in enumerate(packed.scales):
                 self.k_scale[layer, index] = k_scales.to(self.k_scale.device)
                 self.v_scale[layer, index] = v_scales.to(self.v_scale.device)  # type: ignore[index]
+
+
+def _refuse_latent(spec: KVSpec, what: str) -> None:
+    """KV transfer (prefill/decode disaggregation, snapshots) packs K and V pairs; a latent pool has no V."""
+    if spec.latent:
+        raise ValueError(f"K/V cannot be {what} (KV transfer, kv connectors, snapshots) for a model with "
+                         "multi-head latent attention yet: its pool holds compressed latents, not K/V pairs")

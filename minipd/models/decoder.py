@@ -1,9 +1,11 @@
-"""One decoder-only transformer covering Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""One decoder-only transformer covering Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3.
 
 The families differ in a few switches read from :class:`~minipd.config.ModelConfig`: q/k/v
 biases (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral), llama3 RoPE
 scaling, tied embeddings, and a routed mixture of experts in place of the MLP (Mixtral; in some
-layers only and with a gated shared expert for the Qwen-MoE families).
+layers only and with a gated shared expert for the Qwen-MoE families). DeepSeek-V3 swaps the
+attention for multi-head latent attention (:mod:`minipd.layers.mla`) and routes by sigmoid scores
+within expert groups, with ungated shared experts and dense first layers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from minipd.config import ModelConfig
 from minipd.kv.base import KVCache
 from minipd.layers.attention import attention
+from minipd.layers.mla import MultiHeadLatentAttention
 from minipd.layers.mlp import SwiGLU
 from minipd.layers.moe import MoE
 from minipd.layers.norm import RMSNorm
@@ -69,12 +72,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, layer_idx)
+        self.self_attn: nn.Module = (MultiHeadLatentAttention(config, layer_idx) if config.is_mla
+                                     else SelfAttention(config, layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.layer_is_moe(layer_idx):
             self.mlp: nn.Module = MoE(config.hidden_size, config.expert_intermediate_size, config.num_experts,
-                                      config.num_experts_per_tok, renormalize=config.norm_topk_prob,
-                                      shared_expert_intermediate_size=config.shared_expert_intermediate_size)
+                                      config.num_experts_per_tok, scoring=config.router_scoring,  # type: ignore[arg-type]
+                                      renormalize=config.norm_topk_prob, n_group=config.n_group,
+                                      topk_group=config.topk_group,
+                                      routed_scaling_factor=config.routed_scaling_factor,
+                                      shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                                      shared_expert_gated=config.shared_expert_gated)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
@@ -97,7 +105,8 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope)
+        # MLA rotates only each head's decoupled rope part; other families the whole head.
+        self.rotary = RotaryEmbedding(config.rope_dim, config.max_position_embeddings, config.rope)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 context: ForwardContext | KVCache | None = None) -> torch.Tensor:

@@ -83,11 +83,17 @@ def _target(model: DecoderModel, hf_name: str) -> tuple[str, Index] | None:
     if match is None or hf_name.endswith("rotary_emb.inv_freq"):
         return None
     i, rest = match.group(1), match.group(2)
+    if cfg.model_type == "deepseek_v3" and int(i) >= cfg.num_hidden_layers:
+        # DeepSeek-V3 checkpoints append their multi-token-prediction layer(s); inference does not use them.
+        return None
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     inter = cfg.intermediate_size
     attn_slices = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     parts = rest.split(".")
     prefix = f"layers.{i}."
+    if cfg.is_mla and parts[0] == "self_attn":
+        # Multi-head latent attention keeps HF's projections unfused, under HF's names.
+        return prefix + rest, None
     if parts[0] == "self_attn" and parts[1] in attn_slices:
         return prefix + f"self_attn.qkv_proj.{parts[2]}", attn_slices[parts[1]]
     if parts[0] == "mlp" and parts[1] in ("gate_proj", "up_proj"):
@@ -110,10 +116,13 @@ def _target(model: DecoderModel, hf_name: str) -> tuple[str, Index] | None:
             return prefix + "mlp.experts.down_proj", expert
         half = slice(0, width) if which == "gate_proj" else slice(width, 2 * width)
         return prefix + "mlp.experts.gate_up_proj", (expert, half)
-    if parts[0] == "mlp" and parts[1] == "shared_expert" and parts[2] in ("gate_proj", "up_proj"):
+    if parts[0] == "mlp" and parts[1] in ("shared_expert", "shared_experts") and parts[2] in ("gate_proj", "up_proj"):
+        # Qwen2-MoE's shared_expert, DeepSeek-V3's shared_experts (all of them as one wide SwiGLU).
         width = cfg.shared_expert_intermediate_size
         half = slice(0, width) if parts[2] == "gate_proj" else slice(width, 2 * width)
         return prefix + "mlp.shared_expert.gate_up_proj.weight", half
+    if parts[0] == "mlp" and parts[1] == "shared_experts":
+        return prefix + "mlp.shared_expert." + ".".join(parts[2:]), None
     if parts[0] == "mlp" and parts[1] == "experts" and len(parts) == 3:
         # transformers 5 stores all experts of a layer as one (E, out, in) tensor: our layout exactly.
         return prefix + f"mlp.experts.{parts[2]}", None

@@ -134,6 +134,9 @@ class QuantizedWire:
         if pool.spec.is_quantized:
             raise ValueError("kv_transfer_dtype compresses a float pool on the wire; this pool is already "
                              f"{pool.spec.quant}")
+        if pool.spec.latent:
+            raise ValueError("kv_transfer_dtype quantizes per-head K/V for the wire; this model uses multi-head "
+                             "latent attention and its pool holds compressed latents")
         if format_name not in PER_TOKEN_FORMATS:
             raise ValueError(f"kv_transfer_dtype must be one of {', '.join(map(repr, PER_TOKEN_FORMATS))}, "
                              f"got {format_name!r}")
