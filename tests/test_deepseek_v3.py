@@ -306,9 +306,8 @@ def test_options_that_need_per_head_kv_are_refused_by_name(engine_model):
     with pytest.raises(ValueError, match=r"kv_adaptive_format.*multi-head latent attention"):
         LLM(folder, device="cpu", kv_cache_dtype="adaptive", enable_prefix_caching=False)
     for press in ("knorm", "h2o"):  # one scores the cached keys, the other the attention they receive
-        with pytest.raises(ValueError, match=r"kv_eviction.*multi-head latent attention"):
-            LLM(folder, device="cpu", kv_eviction=press, kv_budget=16, block_size=8).generate(
-                workloads["mixed"][:2], SamplingParams(temperature=0, max_tokens=24))
+        with pytest.raises(ValueError, match=r"kv_eviction.*multi-head latent attention"):  # when built, not later
+            LLM(folder, device="cpu", kv_eviction=press, kv_budget=16, block_size=8)
     llm = LLM(folder, device="cpu")
     with pytest.raises(ValueError, match=r"exported.*multi-head latent attention"):
         llm.engine.core.pool.export_blocks([0], 1)

@@ -98,6 +98,11 @@ class EngineCore:
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
         self.press = None if config.kv_eviction is None else make_press(config.kv_eviction)
+        if self.press is not None and self.kv_spec.latent and (self.press.needs_keys or self.press.needs_attention):
+            # Known now, not at the first eviction: MLA's pool has no per-head keys to score or watch.
+            raise ValueError(f"kv_eviction={type(self.press).__name__} scores per-head keys or the attention they "
+                             "receive, but this model uses multi-head latent attention and its pool holds "
+                             "compressed latents; use 'sink-window' or 'random', or no kv_eviction")
         self.attention_tracker: AttentionTracker | None = None
         if self.press is not None and self.press.needs_attention:
             self.attention_tracker = AttentionTracker(config.block_size, getattr(self.press, "window", None))
