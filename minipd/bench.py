@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from minipd import LLM, SamplingParams
+    from minipd.floor import describe, measure_floor, workload_flops
 
     s = args.scale
     llm = LLM(args.model)
@@ -225,24 +226,40 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.engine.dtype).to(llm.device).eval()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
-          f"device {llm.device}, {torch.get_num_threads()} threads, scale {s}")
+          f"device {llm.device}, {torch.get_num_threads()} threads, scale {s}, "
+          f"linears: {llm.engine.core.linear_backend}")
+    floor = measure_floor() if llm.device.type == "cpu" else None
+    if floor is not None:
+        print(f"  {describe(floor)}")
     workloads = ["mixed", "single", "shared-prefix"] if args.workload == "all" else [args.workload]
 
     if "mixed" in workloads:
         w = make_workload(max(2, round(64 * s)), (16, max(17, round(512 * s))), (16, max(17, round(256 * s))), vocab)
+        useful = workload_flops(llm.config, [len(p) for p in w.prompts], w.output_lens)
         print(f"\n[mixed] {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-              f"{w.output_tokens} output tokens")
+              f"{w.output_tokens} output tokens, {useful / 1e9:.1f} GFLOP of useful work")
         ours = run_minipd(llm, w)
-        rows = [ours, run_hf_padded(hf, w, pad)]
+        rows = [ours]
+        if llm.engine.core.linear_backend != "torch":  # what the packed linears bring, same run
+            plain = run_minipd(LLM(args.model, linear_backend="torch"), w)
+            plain.system = "minipd, F.linear (torch)"
+            rows.append(plain)
+        rows.append(run_hf_padded(hf, w, pad))
         if not args.no_hf_continuous:
             if hf_continuous_batching_available(hf):
                 rows.append(run_hf_continuous(hf, w, never_token=vocab))
             else:
                 print("  HF continuous batching: not in this transformers version, not run")
         for r in rows:
-            print(f"  {r.system:<32} {r.seconds:8.2f} s  {r.throughput:9.1f} output tok/s")
+            share = f"  {useful / r.seconds / floor.fp32_peak:6.1%} of the fp32 GEMM peak" if floor else ""
+            print(f"  {r.system:<32} {r.seconds:8.2f} s  {r.throughput:9.1f} output tok/s  "
+                  f"{useful / r.seconds / 1e9:7.1f} useful GFLOP/s{share}")
         for r in rows[1:]:
-            print(_line(f"throughput minipd / {r.system}", ours.throughput / r.throughput, 3.0, "higher"))
+            target = 1.0 if r.system.startswith("minipd") else 4.0 if "padded" in r.system else 3.0
+            print(_line(f"throughput minipd / {r.system}", ours.throughput / r.throughput, target, "higher"))
+        if floor is not None:
+            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / ours.seconds / floor.fp32_peak, 0.4,
+                        "higher"))
 
     if "single" in workloads:
         new = max(8, round(256 * s))

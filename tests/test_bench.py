@@ -28,7 +28,9 @@ def test_bench_prints_every_comparison():
     text = out.stdout
     for needle in ("[mixed]", "throughput minipd / HF generate (padded)",
                    "throughput minipd / HF generate_batch (continuous)", "[single]", "TPOT minipd / HF generate",
-                   "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching"):
+                   "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching",
+                   "fp32 GEMM torch.mm", "copy bandwidth", "useful GFLOP/s", "of the fp32 GEMM peak",
+                   "useful FLOP/s / fp32 GEMM peak (minipd)"):
         assert needle in text, needle
 
 

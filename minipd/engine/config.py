@@ -28,6 +28,12 @@ class EngineConfig:
         scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
+        linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
+            (weights packed once for oneDNN's CPU kernels, fp32 on a CPU only; see
+            :mod:`minipd.kernels.cpu_linear`) or ``"auto"`` (oneDNN for fp32 on a CPU that has it).
+        cpu_threads: threads a CPU step runs on: ``"auto"`` (one for steps of up to 4 tokens, where a second
+            thread costs more than it brings, torch's thread count for bigger ones; see
+            :mod:`minipd.engine.threads`) or a fixed positive count.
         moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
             ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
@@ -81,6 +87,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
+    linear_backend: str = "auto"
+    cpu_threads: int | str = "auto"
     moe_backend: str = "auto"
     moe_capacity_factor: float | None = None
     moe_overflow: str = "drop"
@@ -227,6 +235,10 @@ class EngineConfig:
         from minipd.kernels.backend import BACKENDS
 
         # Whether the backend can run on the chosen device is checked later, once the device is known.
+        if self.cpu_threads != "auto" and (not is_integer(self.cpu_threads) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {self.cpu_threads!r}")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_backend must be one of 'auto', 'torch', 'onednn', got {self.linear_backend!r}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel_backend must be None or one of {', '.join(repr(b) for b in BACKENDS)}, "
                              f"got {self.kernel_backend!r}")

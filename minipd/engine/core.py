@@ -27,6 +27,7 @@ from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepStats
+from minipd.engine.threads import threads_for_step, torch_threads
 from minipd.kernels.backend import get_backend
 from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
 from minipd.kv.block_manager import BlockAllocation, BlockManager
@@ -64,6 +65,10 @@ class EngineCore:
         self.dtype = model.embed_tokens.weight.dtype
         self.kernels = get_backend(config.kernel_backend, self.device)
         self._set_moe_backend(model, config.moe_backend)
+        #: Threads a big CPU step gets under ``cpu_threads="auto"`` (torch's count when the engine was built).
+        self.default_threads = torch.get_num_threads()
+        #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`).
+        self.linear_backend = self._set_linear_backend(model, config.linear_backend)
         adaptive = config.kv_cache_dtype == "adaptive"
         self.kv_spec = KVSpec.from_name(model.config, config.block_size, "auto" if adaptive else config.kv_cache_dtype,
                                         self.dtype)
@@ -126,6 +131,22 @@ class EngineCore:
             cfg = self.config
             module.router.weight_format = None if cfg.router_dtype == "auto" else cfg.router_dtype
             module.dispatch_format = None if cfg.moe_dispatch_dtype == "auto" else cfg.moe_dispatch_dtype
+
+    def _set_linear_backend(self, model: DecoderModel, backend: str) -> str:
+        """Pack the linears for oneDNN when asked, or by default for fp32 on a CPU that has it."""
+        from minipd.kernels.cpu_linear import PackedLinear, onednn_available, pack_linears
+
+        if any(isinstance(m, PackedLinear) for m in model.modules()):
+            return "onednn"  # packed by an earlier engine over the same model
+        if backend == "auto":
+            backend = "onednn" if (self.device.type == "cpu" and self.dtype == torch.float32
+                                   and onednn_available()) else "torch"
+        if backend == "onednn":
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
+                                 f"{self.dtype} on {self.device.type}: use linear_backend='torch' or 'auto'")
+            pack_linears(model)
+        return backend
 
     @property
     def num_residual_slots(self) -> int:
@@ -354,7 +375,13 @@ class EngineCore:
             return EngineCoreOutputs([], start)
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
         try:
-            sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
+            if self.device.type == "cpu":
+                threads = threads_for_step(self.config.cpu_threads, sum(n for _, n in batch.entries),
+                                           self.default_threads)
+                with torch_threads(threads):
+                    sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
+            else:
+                sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
         except BaseException:
             # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
             self.scheduler.rollback(batch)

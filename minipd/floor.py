@@ -1,0 +1,98 @@
+"""The floor a benchmark is measured against: this machine's matmul peak and memory bandwidth, measured
+in the same run, and the useful FLOPs a workload needs.
+
+"Useful" FLOPs are the model's: every weight a token is multiplied by, attention over the keys it
+sees, and the LM head once per sampled token (:func:`minipd.costs.step_cost`), nothing for padding or
+recomputation. A run's achieved useful FLOP/s divided by the GEMM peak says how much of the machine
+the engine turns into model arithmetic; the rest is overhead, memory stalls or small, inefficient
+matrix products.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minipd.config import ModelConfig
+from minipd.costs import step_cost
+
+
+@dataclass
+class Floor:
+    """Measured peaks of this machine (the best of a few interleaved repetitions)."""
+
+    #: fp32 matmul FLOP/s, per path (``torch.mm``; ``onednn`` packed weights when the build has them).
+    fp32_flops: dict[str, float]
+    #: bf16 matmul FLOP/s through ``torch.mm`` (0 when the CPU has no bf16 matmul worth the name).
+    bf16_flops: float
+    #: Bytes per second of a large copy (bytes read plus bytes written).
+    bandwidth: float
+    threads: int
+
+    @property
+    def fp32_peak(self) -> float:
+        """The fastest fp32 matmul path's FLOP/s."""
+        return max(self.fp32_flops.values())
+
+
+def _best_seconds(fn, repeat: int) -> float:
+    fn()  # warm-up (and, for oneDNN, its primitive cache)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_floor(size: int = 1024, copy_bytes: int = 256 * 2**20, repeat: int = 5) -> Floor:
+    """Time ``size``³ matmuls (fp32 through torch and oneDNN, bf16) and a ``copy_bytes`` copy on this CPU."""
+    from minipd.kernels.cpu_linear import onednn_available
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    flops = 2 * size**3
+    paths = {"torch.mm": lambda: torch.mm(a, b)}
+    if onednn_available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    fp32 = {name: flops / _best_seconds(fn, repeat) for name, fn in paths.items()}
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    bf16 = flops / _best_seconds(lambda: torch.mm(a16, b16), repeat)
+    src = torch.empty(copy_bytes // 4)
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * copy_bytes / _best_seconds(lambda: dst.copy_(src), repeat)
+    return Floor(fp32, bf16, bandwidth, torch.get_num_threads())
+
+
+def request_flops(config: ModelConfig, prompt_len: int, output_len: int) -> int:
+    """Useful FLOPs of one request: its prefill (with the first token) and ``output_len - 1`` decode steps."""
+    total = step_cost(config, [(0, prompt_len)]).flops
+    # One decode step per further token, at a context one longer each time (sliding windows included).
+    return total + sum(step_cost(config, [(prompt_len + i, 1)]).flops for i in range(output_len - 1))
+
+
+def workload_flops(config: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> int:
+    """Useful FLOPs of a whole workload (see :func:`request_flops`)."""
+    return sum(request_flops(config, p, n) for p, n in zip(prompt_lens, output_lens, strict=True))
+
+
+def describe(floor: Floor) -> str:
+    """One line for a benchmark's header."""
+    paths = ", ".join(f"{name} {value / 1e9:.0f}" for name, value in floor.fp32_flops.items())
+    return (f"this machine, {floor.threads} threads: fp32 GEMM {paths} GFLOP/s; bf16 GEMM {floor.bf16_flops / 1e9:.0f} "
+            f"GFLOP/s; copy bandwidth {floor.bandwidth / 1e9:.1f} GB/s")
+
+
+def median_floor(floors: Sequence[Floor]) -> Floor:
+    """The per-field median of several measurements."""
+    return Floor({k: statistics.median(f.fp32_flops[k] for f in floors) for k in floors[0].fp32_flops},
+                 statistics.median(f.bf16_flops for f in floors), statistics.median(f.bandwidth for f in floors),
+                 floors[0].threads)
+
+
+__all__ = ["Floor", "describe", "measure_floor", "median_floor", "request_flops", "workload_flops"]
