@@ -13,7 +13,7 @@ NOTEBOOKS := $(sort $(wildcard chapters/*.ipynb))
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install lab test lint unit notebooks nbval clean-venv
+.PHONY: install lab test lint unit notebooks nbval clean-venv browser-test
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m minipd build-kernels || echo "(the C++ CPU kernel did not build: minipd uses its torch reference)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,6 +43,27 @@ unit: install
 
 nbval: install
 	$(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider $(NOTEBOOKS)
+
+# Every chapter run in JupyterLab in headless Chromium (Playwright), widgets moved, screenshots in
+# artifacts/browser/. Installs Playwright (the `browser` extra) and Debian's chromium when missing;
+# `make browser-test CHROMIUM=/path/to/chrome` uses another, BROWSER_TEST_ARGS="03 04" picks chapters.
+CHROMIUM ?= /usr/bin/chromium
+BROWSER_TEST_ARGS ?=
+browser-test: install
+	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install -q -e ".[browser]"
+	@if [ ! -x "$(CHROMIUM)" ]; then \
+		if [ "$(CHROMIUM)" = /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
+			sudo=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+			echo "browser-test: no Chromium at $(CHROMIUM); installing it: apt-get install -y chromium"; \
+			DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium >/dev/null \
+				|| { $$sudo apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q chromium >/dev/null; } \
+				|| { echo "browser-test: apt-get could not install chromium" >&2; exit 2; }; \
+		else \
+			echo "browser-test: no Chromium at $(CHROMIUM) and no apt-get to install it: install Chromium or Chrome," \
+				"then run make browser-test CHROMIUM=/path/to/chromium" >&2; exit 2; \
+		fi; \
+	fi
+	CHROMIUM="$(CHROMIUM)" $(PY) scripts/browser_test.py $(BROWSER_TEST_ARGS)
 
 # Re-execute every chapter in place (stored with outputs) and strip what should not be committed.
 notebooks: install

@@ -49,6 +49,18 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(_: argparse.Namespace) -> int:
+    from minipd.kernels.cpu_paged_attention import load_kernel
+
+    print("building the C++ CPU paged-attention kernel (about a minute the first time; cached after)...", flush=True)
+    module, why = load_kernel()
+    if module is None:
+        print(f"not built: {why}; the engine keeps the torch reference (kernel_backend='torch')")
+        return 1
+    print("built: kernel_backend='cpu' is now the default on this machine's CPU")
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     from minipd.pd.worker import run_launched_worker
 
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     info = sub.add_parser("info", help="bundled models, device and kernel backends")
     info.set_defaults(func=_info)
+    build = sub.add_parser("build-kernels", help="compile the C++ CPU paged-attention kernel (kernel_backend='cpu')")
+    build.set_defaults(func=_build_kernels)
     worker = sub.add_parser("worker", help="a prefill or decode worker joining a DisaggregatedLLM(listen=...)",
                             description="Start one disaggregated worker (here, on another machine, or under "
                                         "torchrun) that joins the front end listening at --connect.")

@@ -92,4 +92,8 @@ def kernel_backends() -> dict[str, str]:
         backends["triton"] = "available (compiled for CUDA)"
     else:
         backends["triton"] = "installed; runs on CPU only under TRITON_INTERPRET=1"
+    from minipd.kernels.cpu_paged_attention import kernel_built
+
+    backends["cpu"] = ("built (C++ paged decode; the CPU default)" if kernel_built()
+                       else "not built yet: `python -m minipd build-kernels` (a C++ compiler and ninja)")
     return backends

@@ -3,6 +3,8 @@ per-step thread count."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,63 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
         assert seen and all(threads == 2 for _, threads in seen)
     finally:
         torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------ the C++ paged decode kernel
+
+def _kernel():
+    from minipd.kernels.cpu_paged_attention import load_kernel
+
+    module, why = load_kernel()
+    if module is None and os.environ.get("MINIPD_NO_CPU_KERNEL") != "1":
+        pytest.fail(f"the C++ CPU kernel did not build ({why}); set MINIPD_NO_CPU_KERNEL=1 where no compiler exists")
+    return module
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64)])
+@pytest.mark.parametrize("window", [None, 7, 40])
+def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window):
+    from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
+    from minipd.kernels.paged_attention import paged_decode_attention_torch
+
+    if _kernel() is None:
+        pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
+    torch.manual_seed(heads * dim + (window or 0))
+    blocks, block_size = 40, 8
+    k, v = torch.randn(blocks, block_size, kv_heads, dim), torch.randn(blocks, block_size, kv_heads, dim)
+    # Lengths on and off block boundaries, a single token, and long ones; tables shuffled.
+    lens = torch.tensor([1, 8, 9, 16, 17, 100, 33, 64, 2])
+    tables = torch.stack([torch.randperm(blocks)[:14] for _ in lens])
+    q = torch.randn(len(lens), heads, dim)
+    want = paged_decode_attention_torch(q, k, v, tables, lens, 0.2, window)
+    got = paged_decode_attention_cpu(q, k, v, tables, lens, 0.2, window, context_lens_host=lens.tolist())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_decode_kernel_leaves_other_formats_to_the_reference():
+    from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
+    from minipd.kernels.paged_attention import paged_decode_attention_torch
+
+    k, v = torch.randn(4, 8, 2, 16).half(), torch.randn(4, 8, 2, 16).half()
+    q, lens, tables = torch.randn(2, 4, 16), torch.tensor([5, 20]), torch.tensor([[0, 1, 2], [3, 2, 1]])
+    assert torch.equal(paged_decode_attention_cpu(q, k, v, tables, lens, 0.25),
+                       paged_decode_attention_torch(q, k, v, tables, lens, 0.25))
+
+
+@pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])
+def test_cpu_backend_gives_the_reference_greedy_tokens(model):
+    if _kernel() is None:
+        pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (24, 5, 40, 12, 30)]
+    want = [o.token_ids for o in LLM(model, kernel_backend="torch").generate(PROMPTS, params)]
+    fast = LLM(model, kernel_backend="cpu", block_size=8)
+    assert fast.engine.core.kernels.name == "cpu"
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == want
+    assert LLM(model).engine.core.kernels.name == "cpu"  # built, so the CPU default
+
+
+def test_cpu_backend_refuses_other_devices():
+    from minipd.kernels.backend import get_backend
+
+    with pytest.raises(ValueError, match="kernel_backend='cpu' runs on the CPU"):
+        get_backend("cpu", torch.device("meta"))

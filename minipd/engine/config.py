@@ -27,7 +27,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks of prompts' common prefixes (True or False).
         scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
-        kernel_backend: ``"torch"`` or ``"triton"``; None picks Triton on CUDA and torch on CPU.
+        kernel_backend: ``"torch"``, ``"triton"`` or ``"cpu"`` (the compiled C++ paged decode kernel of
+            :mod:`minipd.kernels.cpu_paged_attention`); None picks Triton on CUDA, and on a CPU the C++
+            kernel once it is built (``make install`` builds it), torch before.
         linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
             (weights packed once for oneDNN's CPU kernels, fp32 on a CPU only; see
             :mod:`minipd.kernels.cpu_linear`) or ``"auto"`` (oneDNN for fp32 on a CPU that has it).

@@ -17,7 +17,7 @@ from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_p
 from minipd.kernels.rms_norm import add_rms_norm_torch
 from minipd.kv.spec import KVSpec
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 
 
 @dataclass(frozen=True)
@@ -66,13 +66,17 @@ TORCH_BACKEND = KernelBackend("torch", store_kv_torch, paged_decode_attention_to
 
 
 def default_backend_name(device: torch.device) -> str:
-    """Triton on CUDA (when installed), torch everywhere else."""
+    """Triton on CUDA (when installed); on a CPU the compiled C++ decode kernel once it is built; else torch."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
         except ImportError:
             return "torch"
         return "triton"
+    if device.type == "cpu":
+        from minipd.kernels.cpu_paged_attention import kernel_built
+
+        return "cpu" if kernel_built() else "torch"
     return "torch"
 
 
@@ -81,6 +85,8 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
     name = name or default_backend_name(device)
     if name == "torch":
         return TORCH_BACKEND
+    if name == "cpu":
+        return _cpu_backend(device)
     if name != "triton":
         raise ValueError(f"kernel_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -97,3 +103,16 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
         raise ValueError(f"kernel_backend='triton' is not available here: {err}") from err
     return KernelBackend("triton", store_kv_triton, paged_decode_attention_triton,
                          paged_prefill_attention_triton, add_rms_norm_triton, _triton_limits)
+
+
+def _cpu_backend(device: torch.device) -> KernelBackend:
+    """The torch references with paged decode attention swapped for the compiled C++ kernel."""
+    from minipd.kernels.cpu_paged_attention import load_kernel, paged_decode_attention_cpu
+
+    if device.type != "cpu":
+        raise ValueError(f"kernel_backend='cpu' runs on the CPU; this model is on {device.type}")
+    module, why = load_kernel()
+    if module is None:
+        raise ValueError(f"kernel_backend='cpu' could not be built here ({why}); use kernel_backend='torch'")
+    return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_torch,
+                         add_rms_norm_torch, _torch_limits)
