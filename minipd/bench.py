@@ -268,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[single] one stream, {new} new tokens")
         print(f"  minipd TPOT {ours_tpot * 1e3:.2f} ms, HF generate TPOT {hf_tpot * 1e3:.2f} ms")
         print(_line("TPOT minipd / HF generate", ours_tpot / hf_tpot, 0.5, "lower"))
+        if llm.device.type == "cpu":  # weight-only int8: a quarter of the weight bytes, bf16 products
+            int8 = LLM(args.model, weight_dtype="int8")
+            int8.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
+            int8_tpot = int8.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))[0]
+            tpot = int8_tpot.metrics.tpot
+            print(f"  minipd weight_dtype='int8' TPOT {tpot * 1e3:.2f} ms (quality: python -m minipd kvquality "
+                  "--methods weights-int8)")
+            print(_line("TPOT minipd int8 weights / HF generate", tpot / hf_tpot, 0.35, "lower"))
 
     if "shared-prefix" in workloads:
         w = make_workload(max(2, round(32 * s)), (16, max(17, round(64 * s))), (32, 32), vocab, seed=2,

@@ -30,7 +30,7 @@ def test_bench_prints_every_comparison():
                    "throughput minipd / HF generate_batch (continuous)", "[single]", "TPOT minipd / HF generate",
                    "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching",
                    "fp32 GEMM torch.mm", "copy bandwidth", "useful GFLOP/s", "of the fp32 GEMM peak",
-                   "useful FLOP/s / fp32 GEMM peak (minipd)"):
+                   "useful FLOP/s / fp32 GEMM peak (minipd)", "TPOT minipd int8 weights / HF generate"):
         assert needle in text, needle
 
 

@@ -169,3 +169,47 @@ def test_cpu_backend_refuses_other_devices():
 
     with pytest.raises(ValueError, match="kernel_backend='cpu' runs on the CPU"):
         get_backend("cpu", torch.device("meta"))
+
+
+# ------------------------------------------------------------------------------------- int8 weights
+
+def test_int8_rows_round_trip_within_half_a_step():
+    from minipd.kernels.int8_linear import quantize_rows
+
+    w = torch.randn(40, 24) * torch.linspace(0.01, 3, 40)[:, None]  # rows of very different ranges
+    codes, scales = quantize_rows(w)
+    assert codes.dtype == torch.int8 and scales.shape == (40,)
+    assert ((codes.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-6).all()
+    assert codes.abs().amax(dim=1).eq(127).all()  # every row uses its full range
+
+
+def test_int8_linear_is_the_dequantized_product_in_bf16():
+    from minipd.kernels.int8_linear import Int8Linear
+
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 48, bias=True)
+    int8 = Int8Linear(linear)
+    x = torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        got = int8(x)
+        want = F.linear(x.bfloat16().float(), int8.weight, linear.bias)
+    assert got.shape == (3, 5, 48) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 activations
+    assert (got - F.linear(x, linear.weight, linear.bias)).abs().max() < 0.1
+
+
+def test_int8_weights_in_the_engine_and_in_the_quality_table():
+    from minipd.kernels.int8_linear import Int8Linear
+    from minipd.kv.quality import method_options
+
+    llm = LLM("tiny-py", weight_dtype="int8")
+    assert sum(isinstance(m, Int8Linear) for m in llm.model.modules()) == 25
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got = llm.generate(PROMPTS, params)
+    want = LLM("tiny-py").generate(PROMPTS, params)
+    assert all(len(o.token_ids) == 24 for o in got)
+    # Not the same numbers, but the same model: most first tokens agree.
+    assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(got, want, strict=True)) >= 3
+    assert method_options("weights-int8") == {"weight_dtype": "int8"}
+    with pytest.raises(ValueError, match="weight_dtype must be 'auto' or 'int8'"):
+        LLM("tiny-py", weight_dtype="int4")

@@ -33,6 +33,9 @@ class EngineConfig:
         linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
             (weights packed once for oneDNN's CPU kernels, fp32 on a CPU only; see
             :mod:`minipd.kernels.cpu_linear`) or ``"auto"`` (oneDNN for fp32 on a CPU that has it).
+        weight_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: weight-only int8 linears with a scale per
+            output row, multiplied in bf16 (:mod:`minipd.kernels.int8_linear`); it changes the model's
+            numbers (see ``python -m minipd kvquality --methods weights-int8``). The LLM's model is changed in place.
         cpu_threads: threads a CPU step runs on: ``"auto"`` (one for steps of up to 4 tokens, where a second
             thread costs more than it brings, torch's thread count for bigger ones; see
             :mod:`minipd.engine.threads`) or a fixed positive count.
@@ -90,6 +93,7 @@ class EngineConfig:
     scheduling_policy: object = "decode-first"
     kernel_backend: str | None = None
     linear_backend: str = "auto"
+    weight_dtype: str = "auto"
     cpu_threads: int | str = "auto"
     moe_backend: str = "auto"
     moe_capacity_factor: float | None = None
@@ -239,6 +243,8 @@ class EngineConfig:
         # Whether the backend can run on the chosen device is checked later, once the device is known.
         if self.cpu_threads != "auto" and (not is_integer(self.cpu_threads) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {self.cpu_threads!r}")
+        if self.weight_dtype not in ("auto", "int8"):
+            raise ValueError(f"weight_dtype must be 'auto' or 'int8', got {self.weight_dtype!r}")
         if self.linear_backend not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_backend must be one of 'auto', 'torch', 'onednn', got {self.linear_backend!r}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:

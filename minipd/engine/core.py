@@ -67,6 +67,11 @@ class EngineCore:
         self._set_moe_backend(model, config.moe_backend)
         #: Threads a big CPU step gets under ``cpu_threads="auto"`` (torch's count when the engine was built).
         self.default_threads = torch.get_num_threads()
+        if config.weight_dtype == "int8":
+            from minipd.kernels.int8_linear import Int8Linear, quantize_linears
+
+            if not any(isinstance(m, Int8Linear) for m in model.modules()):
+                quantize_linears(model)
         #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`).
         self.linear_backend = self._set_linear_backend(model, config.linear_backend)
         adaptive = config.kv_cache_dtype == "adaptive"
