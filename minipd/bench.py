@@ -184,7 +184,7 @@ def _line(label: str, value: float, target: float, better: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print each comparison with its ratio and target."""
     parser = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-py")
+    parser.add_argument("--model", default="tiny-py", help="a bundled model, a folder, or random-50m (random weights)")
     parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "adaptive", "moe", "ep",
                                                    "all"],
                         default="all",
@@ -220,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     from minipd.floor import describe, measure_floor, workload_flops
 
     s = args.scale
+    if args.model.startswith("random-"):  # a random-weight model of that size, built once in the temp folder
+        from minipd.random_models import build_random_model
+
+        args.model = str(build_random_model(args.model))
     llm = LLM(args.model)
     vocab = llm.config.vocab_size
     pad = llm.tokenizer.eos_token_id or 0

@@ -79,3 +79,16 @@ def test_the_ep_bench_reports_overlap_and_the_wire_bytes(capsys):
     assert float(wire["int8"][1]) == float(wire["fp8"][1]) == hidden + 2  # codes and a 2-byte scale
     assert float(wire["int8"][2]) == 4 * hidden
     assert wire["float32"][-1] == "100.0%"
+
+
+def test_the_random_50m_model_has_the_size_it_says(tmp_path):
+    from minipd.config import ModelConfig
+    from minipd.costs import count_parameters
+    from minipd.random_models import random_model_config
+
+    total = count_parameters(ModelConfig.from_dict(random_model_config("random-50m"))).total
+    assert 45e6 < total < 55e6
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown random model"):
+        random_model_config("random-7b")
