@@ -30,6 +30,7 @@ from minipd.moe.expert_parallel import (
     ExpertParallelGroup,
     decode_rows,
     encode_rows,
+    loopback_store,
     shard_experts,
 )
 from minipd.moe.ranks import moe_layers_of
@@ -40,7 +41,7 @@ HIDDEN, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 2
 
 def _groups(world: int, **options) -> list[ExpertParallelGroup]:
     """``world`` groups joined through one store, one per rank, all in this process."""
-    store = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    store = loopback_store(world, 60)
     groups: list[ExpertParallelGroup | None] = [None] * world
 
     def join(rank: int) -> None:
@@ -223,6 +224,7 @@ def test_four_ranks_and_compressed_dispatch():
         stats = llm.expert_parallel.stats
         assert stats.dispatch_sent == stats.rows_sent * (one.config.hidden_size + 2)
         processes = llm.expert_parallel.processes
+        _assert_loopback_only([os.getpid()] + [p.pid for p in processes])
     assert len(processes) == 3 and not any(p.is_alive() for p in processes)
 
 
@@ -321,3 +323,15 @@ def test_moe_prefill_and_decode_workers_each_with_their_own_expert_ranks(referen
                                        text=True).stdout.split()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not leftovers, f"expert-parallel ranks left running: {leftovers}"
+
+
+def _assert_loopback_only(pids: list[int]) -> None:
+    """Every TCP socket these processes listen on is bound to 127.0.0.1 (the store and gloo's pairs)."""
+    import shutil
+
+    if shutil.which("ss") is None:
+        pytest.fail("`ss` (iproute2) is needed to check the listening sockets")
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    ours = [line for line in lines if any(f"pid={pid}," in line for pid in pids)]
+    assert ours, "no listening socket found for the ranks"
+    assert all(line.split()[3].startswith("127.0.0.1:") for line in ours), ours

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,11 @@ class ExpertParallelGroup:
             options._timeout = IDLE_TIMEOUT
             group: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, options)
         else:
-            group = dist.ProcessGroupGloo(prefix, rank, world_size, IDLE_TIMEOUT)
+            # Connections between ranks on the loopback interface only: nothing listens beyond this machine.
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._timeout = IDLE_TIMEOUT
+            group = dist.ProcessGroupGloo(prefix, rank, world_size, options)
         return cls(rank, world_size, num_experts, group, device, timeout, micro_batches)
 
     # ------------------------------------------------------------------------------ ownership
@@ -400,6 +405,18 @@ def _off_rank_bytes(data: torch.Tensor, splits: list[int], rank: int) -> int:
     return (sum(splits) - splits[rank]) * row_bytes
 
 
+def loopback_store(world_size: int, timeout: float) -> Any:
+    """A ``torch.distributed`` TCP store served on 127.0.0.1 only (the default listens on every interface);
+    its port is ``store.port``."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    # detach(): the store owns the descriptor from now on, so Python never closes it under the store.
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+
+
 __all__ = [
     "MAX_MICRO_BATCHES",
     "WIRE_FORMATS",
@@ -409,5 +426,6 @@ __all__ = [
     "ExpertParallelGroup",
     "decode_rows",
     "encode_rows",
+    "loopback_store",
     "shard_experts",
 ]

@@ -35,6 +35,7 @@ from minipd.moe.expert_parallel import (
     ExpertParallelDispatcher,
     ExpertParallelError,
     ExpertParallelGroup,
+    loopback_store,
     shard_experts,
 )
 
@@ -130,8 +131,7 @@ def start_ranks(model: torch.nn.Module, model_path: str | Path, size: int, *, mo
     device, dtype = param.device, param.dtype
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"expert_parallel_size={size} on CUDA needs {size} GPUs, found {torch.cuda.device_count()}")
-    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=start_timeout),
-                          wait_for_workers=False)
+    store = loopback_store(size, start_timeout)
     threads = threads or torch.get_num_threads()
     # Plain subprocesses, not multiprocessing: a PD worker is a daemonic process, and those may not
     # have multiprocessing children; and nothing of the caller's script is re-imported.
