@@ -188,6 +188,8 @@ def serve_rank(model_path: str, dtype: str, rank: int, size: int, port: int, tim
                moe_backend: str, threads: int, device: str, micro_batches: int) -> None:
     """Entry point of a spawned rank: load, keep this rank's experts, serve layer calls until told to stop."""
     torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL runs on the current device: this rank's own GPU
     try:
         from minipd.models import load_model
 
