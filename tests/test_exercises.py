@@ -1,7 +1,9 @@
-"""Chapter 01 checkers against planted bugs (the three states of every checker: test_exercise_states.py)."""
+"""Chapter 01 checkers against planted bugs (the three states of every checker: test_exercise_states.py),
+and the seams they plug the reader's code into minipd with."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -9,79 +11,59 @@ from typing import Any
 import pytest
 import torch
 
+import minipd.layers.sampler as sampler_module
+import minipd.models.decoder as decoder_module
 from minipd.exercises import ch01
 from minipd.exercises.checking import Case, CheckResult, check_tensor_fn, compare_tensors
-from minipd.kv import ContiguousKVCache
+from minipd.layers.attention import attention
+from minipd.layers.rotary import apply_rotary
+
+attention_module = importlib.import_module("minipd.layers.attention")
+ORIGINAL_MASK = attention_module.causal_mask
 
 
 def checker(name: str) -> Callable[[Any], CheckResult]:
     return getattr(ch01, f"check_{name}")
 
 
-def stub(*args: Any) -> Any:
-    raise NotImplementedError
-
-
 # --- planted bugs --------------------------------------------------------------------------------
 
 
-def rms_norm_without_eps(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 / x32.pow(2).mean(-1, keepdim=True).sqrt()).to(x.dtype)
-
-
-def rms_norm_with_mean_not_mean_square(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 / (x32.mean(-1, keepdim=True).abs() + eps).sqrt()).to(x.dtype)
-
-
-def rms_norm_without_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def rope_half_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's pairing (i, i + d/2) where the checkpoint is interleaved."""
+    return apply_rotary(x, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
 
 
 def rope_wrong_sign(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((b, -a), dim=-1) * sin
+    """Turns every pair the other way."""
+    return ch01.reference_apply_rope_interleaved(x, cos, -sin)
 
 
-def rope_interleaved_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # GPT-J layout: pairs are neighbouring channels, not channels half a head apart.
-    a, b = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((-b, a), dim=-1).flatten(-2)
-    return x * cos + rotated * sin
+def rope_swapped_pair_roles(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates (b, a) instead of (a, b): the pair's channels come out swapped."""
+    out = ch01.reference_apply_rope_interleaved(x, cos, sin)
+    return torch.stack((out[..., 1::2], out[..., 0::2]), dim=-1).flatten(-2)
 
 
-def mask_off_by_one(num_queries: int, num_keys: int) -> torch.Tensor:
-    q_pos = torch.arange(num_keys - num_queries, num_keys)[:, None]
-    return torch.arange(num_keys)[None, :] < q_pos
+def mask_one_too_wide(num_queries: int, num_keys: int, window: int) -> torch.Tensor:
+    """Lets each query see window + 1 keys."""
+    return ch01.reference_sliding_window_mask(num_queries, num_keys, window + 1)
 
 
-def mask_queries_first(num_queries: int, num_keys: int) -> torch.Tensor:
-    return torch.arange(num_keys)[None, :] <= torch.arange(num_queries)[:, None]
+def mask_causal_only(num_queries: int, num_keys: int, window: int) -> torch.Tensor:
+    """Forgets the window."""
+    return ch01.reference_sliding_window_mask(num_queries, num_keys, num_keys)
 
 
-def mask_as_float(num_queries: int, num_keys: int) -> torch.Tensor:
-    return ch01.reference_causal_mask(num_queries, num_keys).float()
+def mask_queries_first(num_queries: int, num_keys: int, window: int) -> torch.Tensor:
+    """Places the queries at the first positions instead of the last."""
+    q_pos = torch.arange(num_queries)[:, None]
+    k_pos = torch.arange(num_keys)[None, :]
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 
-def gqa_wrong_grouping(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    # `repeat` tiles heads (0,1,0,1,...) where query heads need (0,0,...,1,1,...).
-    k, v = k.repeat(1, group, 1), v.repeat(1, group, 1)
-    return ch01.reference_grouped_query_attention(q, k, v)
-
-
-def gqa_mask_from_first_position(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) * q.shape[-1] ** -0.5
-    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
-    return torch.einsum("hts,shd->thd", scores.masked_fill(~mask, -math.inf).softmax(-1), v)
-
-
-def gqa_unscaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return ch01.reference_grouped_query_attention(q * q.shape[-1] ** 0.5, k, v)
+def mask_as_float(num_queries: int, num_keys: int, window: int) -> torch.Tensor:
+    return ch01.reference_sliding_window_mask(num_queries, num_keys, window).float()
 
 
 def top_p_drops_crossing_token(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -94,44 +76,54 @@ def top_p_returns_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return ch01.reference_top_p_filter(logits, top_p).softmax(-1)
 
 
-def make_greedy(position_of: Callable[[ContiguousKVCache, int], int], use_cache: bool = True,
-                include_prompt: bool = False, steps_delta: int = 0) -> Callable[..., list[int]]:
-    """A greedy loop with a pluggable decode position, optionally without a cache or with other bugs."""
+class CacheWithoutAdvance(ch01.ReferenceKVCache):
+    """Never moves on: every pass overwrites position 0 onwards and forgets what came after."""
 
-    def greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        cfg = model.config
-        ids = list(prompt_ids)
-        cache = ContiguousKVCache(cfg.num_hidden_layers, len(ids) + max_new_tokens, cfg.num_key_value_heads,
-                                  cfg.head_dim)
-        tokens, positions = torch.tensor(ids), torch.arange(len(ids))
-        out: list[int] = []
-        for _ in range(max_new_tokens + steps_delta):
-            if use_cache:
-                hidden = model(tokens, positions, cache)
-            else:
-                all_ids = ids + out
-                hidden = model(torch.tensor(all_ids), torch.arange(len(all_ids)))
-            out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-            tokens = torch.tensor(out[-1:])
-            positions = torch.tensor([position_of(cache, len(ids))])
-        return ids + out if include_prompt else out
+    def advance(self, num_tokens: int) -> None:
+        pass
 
-    return greedy
+
+class CacheOfNothing(ch01.ReferenceKVCache):
+    """Attends to this pass's own K/V only: right for a whole-prompt prefill, wrong from the first decode."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        return attention(q, k, v, scale, sliding_window)
+
+
+class CacheAdvancingPerLayer(ch01.ReferenceKVCache):
+    """Advances inside attend, so each layer writes at a different offset."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        out = super().attend(layer_idx, q, k, v, scale, sliding_window)
+        self.length += k.shape[0]
+        return out
+
+    def advance(self, num_tokens: int) -> None:
+        pass
+
+
+class CacheWithTopLeftMask(ch01.ReferenceKVCache):
+    """Masks as if the queries were the first positions: right for whole prompts and decodes (where
+    torch's is_causal and no mask agree with the truth), wrong for a prefill chunk after cached tokens."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        end = self.length + k.shape[0]
+        self.k[layer_idx, self.length:end], self.v[layer_idx, self.length:end] = k, v
+        keys, values = self.k[layer_idx, :end], self.v[layer_idx, :end]
+        q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
+        out = torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=q.shape[0] > 1, scale=scale,
+                                                               enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
 
 
 PLANTED_BUGS = {
-    "rms_norm": [rms_norm_without_eps, rms_norm_with_mean_not_mean_square, rms_norm_without_weight],
-    "apply_rope": [rope_wrong_sign, rope_interleaved_pairs],
-    "causal_mask": [mask_off_by_one, mask_queries_first, mask_as_float],
-    "grouped_query_attention": [gqa_wrong_grouping, gqa_mask_from_first_position, gqa_unscaled],
+    "apply_rope_interleaved": [rope_half_layout, rope_wrong_sign, rope_swapped_pair_roles],
+    "sliding_window_mask": [mask_one_too_wide, mask_causal_only, mask_queries_first, mask_as_float],
     "top_p_filter": [top_p_drops_crossing_token, top_p_returns_probs],
-    "greedy_generate": [
-        make_greedy(lambda cache, n: 0),  # decode always at position 0
-        make_greedy(lambda cache, n: n),  # decode always right after the prompt
-        make_greedy(lambda cache, n: cache.length, use_cache=False),  # right tokens, no cache
-        make_greedy(lambda cache, n: cache.length, include_prompt=True),
-        make_greedy(lambda cache, n: cache.length, steps_delta=-1),
-    ],
+    "kv_cache": [CacheWithoutAdvance, CacheOfNothing, CacheAdvancingPerLayer, CacheWithTopLeftMask],
 }
 
 
@@ -144,70 +136,115 @@ def test_planted_bug_fails(name: str, bug: Callable[..., Any], capsys: pytest.Ca
 
 
 def test_fail_reports_max_diff_and_first_index() -> None:
-    result = ch01.check_rms_norm(rms_norm_without_weight)
-    assert result.max_diff is not None and result.max_diff > 1e-3
-    assert result.first_mismatch == (0, 0, 0)  # the first case has a unit weight, so the second one fails
-    assert "max |diff|" in result.message and "first mismatch at index (0, 0, 0)" in result.message
+    result = ch01.check_sliding_window_mask(mask_one_too_wide)
+    assert result.max_diff == 1.0 and result.first_mismatch == (3, 0)  # query 3 sees key 0: window 3 + 1
+    assert "max |diff|" in result.message and "first mismatch at index (3, 0)" in result.message
 
 
-def test_nan_from_missing_eps_is_an_infinite_diff() -> None:
-    result = ch01.check_rms_norm(rms_norm_without_eps)
-    assert result.max_diff == math.inf and "a row of zeros" in result.message
+# --- the engine stage: the reader's piece inside tiny-py ------------------------------------------
 
 
-def test_greedy_fail_names_first_wrong_token() -> None:
-    result = ch01.check_greedy_generate(make_greedy(lambda cache, n: 0))
-    assert isinstance(result.first_mismatch, int) and f"new token {result.first_mismatch} differs" in result.message
+def test_engine_stage_of_rope_catches_the_layout_and_reports_logits() -> None:
+    result = ch01._check_rope_in_engine("apply_rope_interleaved", rope_half_layout)
+    assert result.status == "FAIL" and "logits: max |diff|" in result.message
+    assert "interleaved layout" in result.message and result.first_mismatch == (1, 0)  # position 0: no rotation
+    assert decoder_module.apply_rotary is apply_rotary
 
 
-def test_greedy_without_cache_is_told_why() -> None:
-    result = ch01.check_greedy_generate(make_greedy(lambda cache, n: cache.length, use_cache=False))
-    assert "right tokens" in result.message and "KV cache" in result.message
+def test_engine_stage_of_the_mask_catches_an_off_by_one() -> None:
+    result = ch01._check_mask_in_engine("sliding_window_mask", mask_one_too_wide)
+    assert result.status == "FAIL" and "logits:" in result.message and "sliding window" in result.message
+    assert result.first_mismatch is not None and result.first_mismatch[0] == ch01.WINDOW  # first cut position
+    assert attention_module.causal_mask is ORIGINAL_MASK
 
 
-def test_greedy_without_cache_is_caught_with_keyword_arguments_too() -> None:
-    def by_keyword(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        ids = list(prompt_ids)
-        for _ in range(max_new_tokens):
-            hidden = model(input_ids=torch.tensor(ids), positions=torch.arange(len(ids)))
-            ids.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-        return ids[len(prompt_ids):]
-
-    assert "right tokens" in ch01.check_greedy_generate(by_keyword).message
+def test_engine_stage_names_a_bad_answer_from_inside_the_model() -> None:
+    result = ch01._check_mask_in_engine("sliding_window_mask", lambda nq, nk, w: torch.ones(nq, nk))
+    assert result.status == "FAIL" and "expected a torch.bool tensor" in result.message
+    result = ch01._check_rope_in_engine("apply_rope_interleaved", lambda x, cos, sin: x[..., :4])
+    assert result.status == "FAIL" and "expected the same shape and dtype" in result.message
 
 
-def test_greedy_with_prompt_is_told_why() -> None:
-    result = ch01.check_greedy_generate(make_greedy(lambda cache, n: cache.length, include_prompt=True))
-    assert "return only the new tokens" in result.message
+def test_an_exception_in_the_engine_is_a_fail_and_everything_is_put_back() -> None:
+    def rope_for_head_dim_16_only(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        assert x.shape[-1] == 16, "only head_dim 16"
+        return ch01.reference_apply_rope_interleaved(x, cos, sin)
+
+    result = ch01._check_rope_in_engine("apply_rope_interleaved", rope_for_head_dim_16_only)
+    assert result.status == "FAIL" and "AssertionError: only head_dim 16" in result.message
+    assert "plugged into tiny-py" in result.message
+    assert decoder_module.apply_rotary is apply_rotary
+    result = ch01._check_mask_in_engine("sliding_window_mask", lambda *a: 1 / 0)
+    assert result.status == "FAIL" and "ZeroDivisionError" in result.message
+    assert attention_module.causal_mask is ORIGINAL_MASK
 
 
-def test_correct_greedy_may_return_a_tensor() -> None:
-    def as_tensor(model: Any, prompt_ids: list[int], max_new_tokens: int) -> torch.Tensor:
-        return torch.tensor(ch01.reference_greedy_generate(model, prompt_ids, max_new_tokens))
-
-    assert ch01.check_greedy_generate(as_tensor).passed
-
-
-# --- the references themselves ------------------------------------------------------------------
+def test_swapped_restores_the_attribute_when_the_block_raises() -> None:
+    with pytest.raises(RuntimeError), ch01.swapped(decoder_module, "apply_rotary", None):
+        assert decoder_module.apply_rotary is None
+        raise RuntimeError("the reader's bug")
+    assert decoder_module.apply_rotary is apply_rotary
 
 
-def test_reference_greedy_matches_recomputing_without_cache() -> None:
-    model = ch01.make_check_model()
-    prompt = [3, 17, 42, 5, 8]
-    cached = ch01.reference_greedy_generate(model, prompt, 12)
-    assert make_greedy(lambda cache, n: 0, use_cache=False)(model, prompt, 12) == cached
-    # The check model's logits are peaked, so float noise can never flip a greedy choice.
-    with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(prompt + cached), torch.arange(17)))
-    top2 = logits.topk(2, dim=-1).values
-    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+def test_model_seams_restore_the_model_bit_for_bit_even_when_the_block_raises() -> None:
+    llm = ch01.engine_llm()
+    model = llm.model
+    ids = torch.tensor(llm.tokenizer.hf(ch01.ENGINE_PROMPTS[1])["input_ids"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    logits = ch01._prefill_logits(model, ids)
+    windows = [layer.self_attn.sliding_window for layer in model.layers]
+    with pytest.raises(RuntimeError), ch01.interleaved_checkpoint(model), ch01.sliding_windows(model, 3):
+        assert not torch.equal(ch01._prefill_logits(model, ids), logits)
+        raise RuntimeError("the reader's bug")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [layer.self_attn.sliding_window for layer in model.layers] == windows
+    assert torch.equal(ch01._prefill_logits(model, ids), logits)  # packed copies of the weights rebuilt too
 
 
-def test_check_model_is_deterministic_and_leaves_global_rng_alone() -> None:
-    state = torch.random.get_rng_state()
-    a, b = ch01.make_check_model(), ch01.make_check_model()
-    assert torch.equal(torch.random.get_rng_state(), state)
-    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+def test_interleaved_checkpoint_with_interleaved_rope_is_the_original_model() -> None:
+    llm = ch01.engine_llm()
+    model = llm.model
+    ids = torch.tensor(llm.tokenizer.hf(ch01.ENGINE_PROMPTS[0])["input_ids"])
+    logits = ch01._prefill_logits(model, ids)
+    half = model.config.head_dim // 2
+    with ch01.interleaved_checkpoint(model):
+        assert (ch01._prefill_logits(model, ids) - logits).abs().max() > 1  # the plain rotation is now wrong
+        with ch01.swapped(decoder_module, "apply_rotary",
+                          ch01._reader_rotary(ch01.reference_apply_rope_interleaved, half)):
+            assert torch.allclose(ch01._prefill_logits(model, ids), logits, atol=1e-4)
+
+
+def test_kv_cache_fail_names_the_step_and_the_case() -> None:
+    result = ch01.check_kv_cache(CacheOfNothing)
+    assert "logits after decode step 1" in result.message and "whole-prompt prefill" in result.message
+    result = ch01.check_kv_cache(CacheWithTopLeftMask)
+    assert "logits after the prefill" in result.message and "chunks of 4" in result.message
+    result = ch01.check_kv_cache(lambda *a: None)
+    assert result.status == "FAIL" and "gave a NoneType, which has no attend and advance" in result.message
+
+
+def test_kv_cache_stub_class_is_todo() -> None:
+    class Stub:
+        def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int) -> None:
+            pass
+
+        def attend(self, *args: Any) -> torch.Tensor:
+            raise NotImplementedError
+
+        def advance(self, num_tokens: int) -> None:
+            raise NotImplementedError
+
+    assert ch01.check_kv_cache(Stub).status == "TODO"
+
+
+def test_reference_kv_cache_tokens_are_the_engine_tokens() -> None:
+    llm = ch01.engine_llm()
+    cfg = llm.config
+    ids = torch.tensor(llm.tokenizer.hf(ch01.ENGINE_PROMPTS[2])["input_ids"])
+    cache = ch01.ReferenceKVCache(cfg.num_hidden_layers, len(ids) + 8, cfg.num_key_value_heads, cfg.head_dim)
+    tokens, _ = ch01._greedy_with_cache(llm.model, ids, 8, cache, chunk=5)
+    assert tokens == ch01.greedy_tokens(llm, [ch01.ENGINE_PROMPTS[2]], 8)[0]
+    assert cache.length == len(ids) + 7  # the last token is sampled, never fed back
 
 
 # --- the generic machinery ----------------------------------------------------------------------
@@ -252,3 +289,14 @@ def test_broken_case_builder_fails_without_raising() -> None:
         raise RuntimeError("bad checker")
 
     assert check_tensor_fn("f", torch.clone, torch.clone, cases).status == "FAIL"
+
+
+def test_engine_stage_of_top_p_samples_with_the_reader_filter_and_puts_the_sampler_back() -> None:
+    original = sampler_module.top_k_top_p_filter
+    result = ch01._check_top_p_in_engine("top_p_filter", lambda logits, top_p: logits)  # no filtering at all
+    assert result.status == "FAIL" and "sampled token" in result.message and "sampler" in result.message
+    result = ch01._check_top_p_in_engine("top_p_filter", lambda logits, top_p: logits[:3])
+    assert result.status == "FAIL" and "expected the same shape" in result.message
+    result = ch01._check_top_p_in_engine("top_p_filter", lambda logits, top_p: 1 / 0)
+    assert result.status == "FAIL" and "ZeroDivisionError" in result.message
+    assert sampler_module.top_k_top_p_filter is original
