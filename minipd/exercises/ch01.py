@@ -24,6 +24,7 @@ its own ``LLM``, so the reader's ``llm`` is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
@@ -384,10 +385,22 @@ def _check_rope_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     expected = greedy_tokens(llm)
     where = (f"plugged into {MODEL} (q/k weights in the interleaved layout, your rotation in every attention "
              "layer)")
+    def plugged_in() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(interleaved_checkpoint(model))
+        stack.enter_context(swapped(decoder_module, "apply_rotary", _reader_rotary(fn, model.config.head_dim // 2)))
+        return stack
+
+    return _logits_then_tokens(name, where, llm, ids, expected_logits, expected, plugged_in)
+
+
+def _logits_then_tokens(name: str, where: str, llm: Any, ids: list[int], expected_logits: torch.Tensor,
+                        expected: list[list[int]], plugged_in: Callable[[], Any]) -> CheckResult:
+    """With the reader's piece plugged in (``plugged_in()``, a context manager): the first prompt's
+    logits, then the greedy tokens, against the engine's own; TODO for an untouched stub."""
     try:
-        with interleaved_checkpoint(model), swapped(decoder_module, "apply_rotary",
-                                                    _reader_rotary(fn, model.config.head_dim // 2)):
-            logits = _prefill_logits(model, ids)
+        with plugged_in():
+            logits = _prefill_logits(llm.model, ids)
             failure, diff = tensor_mismatch(name, logits, expected_logits, 1e-4, 1e-4,
                                             f"[{where}; prompt {ENGINE_PROMPTS[0]!r}, index (position, token)]",
                                             subject="logits:")
@@ -462,20 +475,8 @@ def _check_mask_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     with sliding_windows(model, WINDOW):
         expected_logits = _prefill_logits(model, ids)
         expected = greedy_tokens(llm)
-        try:
-            with swapped(attention_module, "causal_mask", _reader_mask(fn)):
-                logits = _prefill_logits(model, ids)
-                failure, diff = tensor_mismatch(name, logits, expected_logits, 1e-4, 1e-4,
-                                                f"[{where}; prompt {ENGINE_PROMPTS[0]!r}, index (position, token)]",
-                                                subject="logits:")
-                if failure is not None:
-                    return failure
-                actual = greedy_tokens(llm)
-        except NotImplementedError:
-            return todo(name)
-        except Exception as err:  # the reader's function broke inside the model
-            return engine_failure(name, err, where)
-    return compare_token_runs(name, actual, expected, where) or CheckResult("PASS", name, max_diff=diff)
+        return _logits_then_tokens(name, where, llm, ids, expected_logits, expected,
+                                   lambda: swapped(attention_module, "causal_mask", _reader_mask(fn)))
 
 
 def check_sliding_window_mask(fn: Callable[[int, int, int], torch.Tensor]) -> CheckResult:

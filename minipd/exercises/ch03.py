@@ -392,16 +392,19 @@ def _check_prefix_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     for number, (got_round, want_round) in enumerate(zip(actual, expected, strict=True), start=1):
         for index, (got, want) in enumerate(zip(got_round, want_round, strict=True)):
             request = f"round {number}, request {index} ({len(want.prompt_token_ids)}-token prompt)"
-            if got.metrics.cached_tokens != want.metrics.cached_tokens:
-                return CheckResult("FAIL", name, f"{where}: {request} reused {got.metrics.cached_tokens} cached "
-                                                 f"tokens; with the engine's own lookup, "
-                                                 f"{want.metrics.cached_tokens}",
-                                   max_diff=float(abs(got.metrics.cached_tokens - want.metrics.cached_tokens)))
-            failure = compare_token_runs(name, [list(got.token_ids)], [list(want.token_ids)], where,
-                                         labels=[request])
+            failure = _compare_request(name, where, request, got, want, "lookup")
             if failure is not None:
                 return failure
     return CheckResult("PASS", name, max_diff=0.0)
+
+
+def _compare_request(name: str, where: str, request: str, got: Any, want: Any, whose: str) -> CheckResult | None:
+    """FAIL when a request's cached tokens or generated tokens differ from the engine's own run, else None."""
+    if got.metrics.cached_tokens != want.metrics.cached_tokens:
+        return CheckResult("FAIL", name, f"{where}: {request} reused {got.metrics.cached_tokens} cached tokens; "
+                                         f"with the engine's own {whose}, {want.metrics.cached_tokens}",
+                           max_diff=float(abs(got.metrics.cached_tokens - want.metrics.cached_tokens)))
+    return compare_token_runs(name, [list(got.token_ids)], [list(want.token_ids)], where, labels=[request])
 
 
 def check_longest_cached_prefix(fn: Callable[[list[int], dict[bytes, int], int], list[int]]) -> CheckResult:
@@ -542,14 +545,7 @@ def _check_eviction_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
                                              f"evicted; with the engine's own choice, {want_evictions}",
                                max_diff=float(abs(got_evictions - want_evictions)))
         for index, (got, want) in enumerate(zip(got_outs, want_outs, strict=True)):
-            request = f"phase {number}, request {index}"
-            if got.metrics.cached_tokens != want.metrics.cached_tokens:
-                return CheckResult("FAIL", name, f"{where}: {request} found {got.metrics.cached_tokens} tokens "
-                                                 f"cached; with the engine's own choice, "
-                                                 f"{want.metrics.cached_tokens}",
-                                   max_diff=float(abs(got.metrics.cached_tokens - want.metrics.cached_tokens)))
-            failure = compare_token_runs(name, [list(got.token_ids)], [list(want.token_ids)], where,
-                                         labels=[request])
+            failure = _compare_request(name, where, f"phase {number}, request {index}", got, want, "choice")
             if failure is not None:
                 return failure
     return CheckResult("PASS", name, max_diff=0.0)
