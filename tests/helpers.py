@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -90,3 +95,39 @@ def bars(ax, label: str):
     found = [c for c in ax.containers if c.get_label() == label]
     assert len(found) == 1, f"expected one bar container labelled {label!r}, found {len(found)}"
     return found[0]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_child_exits_with_its_parent(script: Path, what: str, grace: float = 20.0) -> None:
+    """Run ``script`` (which prints one child pid, then sleeps), SIGKILL it, and assert the child exits
+    within ``grace`` seconds; whatever happens, nothing is left running."""
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    child = -1
+    try:
+        child = int(parent.stdout.readline())  # type: ignore[union-attr]
+        os.kill(parent.pid, signal.SIGKILL)  # no shutdown message, no clean-up: the child is on its own
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and alive(child):
+            time.sleep(0.2)
+        assert not alive(child), f"{what} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+        if alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
+from helpers import assert_child_exits_with_its_parent
 
 from minipd import LLM, SamplingParams
 from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError, ExportedKV
@@ -195,33 +194,4 @@ def test_the_core_process_exits_when_its_parent_is_killed(tmp_path):
         "    client = CoreClient.in_process('tiny-py', start_timeout=120)\n"
         "    print(client.process.pid, flush=True)\n"
         "    time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    try:
-        child = int(parent.stdout.readline())
-        os.kill(parent.pid, signal.SIGKILL)  # no shutdown message, no clean-up: the child is on its own
-        parent.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _alive(child):
-            time.sleep(0.2)
-        assert not _alive(child), "the engine core process outlived its parent"
-    finally:
-        parent.kill()
-        parent.wait(timeout=10)
-        if _alive(child_pid := locals().get("child", -1)):
-            os.kill(child_pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its new parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert_child_exits_with_its_parent(script, "the engine core process")

@@ -13,13 +13,13 @@ import copy
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_child_exits_with_its_parent
 
 from minipd import LLM, SamplingParams
 from minipd.layers.moe import MoE
@@ -34,7 +34,6 @@ from minipd.moe.expert_parallel import (
     shard_experts,
 )
 from minipd.moe.ranks import moe_layers_of
-from tests.test_core_client import _alive
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 2
 
@@ -270,22 +269,7 @@ def test_the_ranks_exit_when_their_parent_is_killed(tmp_path):
         "    llm = LLM('tiny-py-moe', moe_backend='loop', expert_parallel_size=2)\n"
         "    print(llm.expert_parallel.processes[0].pid, flush=True)\n"
         "    time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    child = -1
-    try:
-        child = int(parent.stdout.readline())
-        os.kill(parent.pid, signal.SIGKILL)
-        parent.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and _alive(child):
-            time.sleep(0.2)
-        assert not _alive(child), "an expert-parallel rank outlived its parent"
-    finally:
-        parent.kill()
-        parent.wait(timeout=10)
-        if _alive(child):
-            os.kill(child, signal.SIGKILL)
+    assert_child_exits_with_its_parent(script, "an expert-parallel rank")
 
 
 @pytest.mark.parametrize("options,message", [
