@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipd import LLM, SamplingParams
-from minipd.engine.threads import SMALL_STEP_TOKENS, threads_for_step, torch_threads
+from minipd.engine.threads import SMALL_STEP_TOKENS, threads_for_step
 from minipd.kernels.cpu_linear import PackedLinear, onednn_available, pack_linears
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
@@ -79,12 +79,24 @@ def test_threads_per_step_rule():
         LLM("tiny-py", cpu_threads=0)
 
 
-def test_torch_threads_restores_even_on_error():
+def test_step_threads_change_only_when_needed_and_give_the_count_back():
+    from minipd.engine.threads import StepThreads
+
     before = torch.get_num_threads()
-    with pytest.raises(RuntimeError), torch_threads(1 if before > 1 else 2):
-        assert torch.get_num_threads() != before
-        raise RuntimeError("boom")
+    other = 1 if before > 1 else 2
+    threads = StepThreads()
+    threads.enter(before)  # nothing to change
+    threads.restore()
     assert torch.get_num_threads() == before
+    try:
+        threads.enter(other)
+        threads.enter(other)
+        assert torch.get_num_threads() == other
+        threads.enter(before)
+        threads.enter(other)
+    finally:
+        threads.restore()
+    assert torch.get_num_threads() == before  # the count from before the first change
 
 
 def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
@@ -101,7 +113,7 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
         llm.generate(["def " * 30], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert seen[0][0] > SMALL_STEP_TOKENS and seen[0][1] == 2  # the prefill: every thread
         assert all(threads == 1 for tokens, threads in seen if tokens <= SMALL_STEP_TOKENS)  # decodes: one
-        assert torch.get_num_threads() == 2  # the caller's count is back after each step
+        assert torch.get_num_threads() == 2  # the caller's count is back once the run is over
         fixed = LLM("tiny-py", cpu_threads=2)
         seen.clear()
         fixed.model.register_forward_pre_hook(record)

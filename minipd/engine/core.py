@@ -27,7 +27,7 @@ from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepStats
-from minipd.engine.threads import threads_for_step, torch_threads
+from minipd.engine.threads import StepThreads, threads_for_step
 from minipd.kernels.backend import get_backend
 from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
 from minipd.kv.block_manager import BlockAllocation, BlockManager
@@ -67,6 +67,8 @@ class EngineCore:
         self._set_moe_backend(model, config.moe_backend)
         #: Threads a big CPU step gets under ``cpu_threads="auto"`` (torch's count when the engine was built).
         self.default_threads = torch.get_num_threads()
+        #: The per-step thread count, held across the steps of a run and given back when it ends.
+        self.threads = StepThreads()
         if config.weight_dtype == "int8":
             from minipd.kernels.int8_linear import Int8Linear, quantize_linears
 
@@ -288,6 +290,8 @@ class EngineCore:
             if request.status is RequestStatus.FINISHED_HOLDING_KV:
                 self.requests[request_id] = request  # still live: its K/V may be exported until released
             outputs.append(self._output(request, []))
+        if not self.has_unfinished_requests():
+            self.threads.restore()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -381,15 +385,13 @@ class EngineCore:
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
         try:
             if self.device.type == "cpu":
-                threads = threads_for_step(self.config.cpu_threads, sum(n for _, n in batch.entries),
-                                           self.default_threads)
-                with torch_threads(threads):
-                    sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
-            else:
-                sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
+                self.threads.enter(threads_for_step(self.config.cpu_threads, sum(n for _, n in batch.entries),
+                                                    self.default_threads))
+            sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
         except BaseException:
             # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
             self.scheduler.rollback(batch)
+            self.threads.restore()
             raise
         self.scheduler.commit(batch)
         now = time.perf_counter()
@@ -426,6 +428,8 @@ class EngineCore:
             prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
             step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats(),
             **self._routing_stats()))
+        if not self.has_unfinished_requests():
+            self.threads.restore()  # the run is over: the caller's thread count is back
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
     def _compress_one(self) -> bool:
