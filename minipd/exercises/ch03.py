@@ -30,7 +30,16 @@ from typing import Any
 import torch
 
 from minipd.exercises.ch01 import MODEL, ReaderError, compare_token_runs, engine_failure, engine_llm, greedy_tokens
-from minipd.exercises.checking import Case, CheckResult, call_reader, check_tensor_fn, compare_tensors, report, todo
+from minipd.exercises.checking import (
+    Case,
+    CheckResult,
+    call_reader,
+    check_tensor_fn,
+    compare_tensors,
+    report,
+    shadowed,
+    todo,
+)
 from minipd.kv.block_manager import BlockAllocation, BlockManager, chain_hash
 from minipd.llm import LLM
 from minipd.sampling_params import SamplingParams
@@ -278,11 +287,8 @@ def reader_slot_mapping(llm: LLM, fn: Callable[..., Any], log: dict[str, Any]) -
         log["steps"] += 1
         return input_ids, positions, metadata, to_sample, rows
 
-    runner.prepare = prepare  # an instance attribute shadows the method...
-    try:
+    with shadowed(runner, prepare=prepare):
         yield
-    finally:
-        runner.__dict__.pop("prepare", None)  # ...and deleting it brings the method back
 
 
 def _check_slots_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
@@ -370,11 +376,8 @@ def reader_prefix_lookup(llm: LLM, fn: Callable[..., Any]) -> Iterator[None]:
             raise ReaderError(f"your function returned block {stray[0]}, which holds no cached block")
         return ids  # type: ignore[return-value]
 
-    bm.find_cached_prefix = lookup  # an instance attribute shadows the method...
-    try:
+    with shadowed(bm, find_cached_prefix=lookup):
         yield
-    finally:
-        bm.__dict__.pop("find_cached_prefix", None)  # ...and deleting it brings the method back
 
 
 def _check_prefix_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
@@ -495,13 +498,8 @@ def reader_eviction(llm: LLM, fn: Callable[[list[FreeBlock]], Any]) -> Iterator[
         bm.free.move_to_end(block_id, last=False)  # the manager takes the first free block
         return take()
 
-    bm._take_free_block = pick  # type: ignore[method-assign]
-    bm._release = timed_release  # type: ignore[method-assign]
-    try:
+    with shadowed(bm, _take_free_block=pick, _release=timed_release):
         yield
-    finally:
-        bm.__dict__.pop("_take_free_block", None)
-        bm.__dict__.pop("_release", None)
 
 
 #: The eviction workload's pool: 24 blocks of 4 tokens (96 tokens), with prefix caching.

@@ -12,6 +12,7 @@ router rule (:func:`minipd.moe.router.softmax_topk`), ``check_sort_by_expert`` b
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,9 +21,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minipd import LLM, SamplingParams
+from minipd import LLM
+from minipd.exercises.ch01 import compare_token_runs, greedy_tokens
 from minipd.exercises.ch04 import _check_numbers
-from minipd.exercises.checking import Case, CheckResult, call_reader, describe_exception, report, tensor_mismatch, todo
+from minipd.exercises.checking import (
+    Case,
+    CheckResult,
+    call_reader,
+    describe_exception,
+    report,
+    shadowed,
+    tensor_mismatch,
+    todo,
+)
 from minipd.layers.moe import MoE
 from minipd.moe.dispatch import LocalDispatcher, LocalExpertBatch
 from minipd.moe.router import SoftmaxRouter
@@ -168,14 +179,11 @@ def reader_routing(llm: LLM, fn: Callable[[torch.Tensor, int], Any]) -> Iterator
     routers = [layer.router for layer in llm.engine.core.moe_layers]
     if not all(isinstance(router, SoftmaxRouter) for router in routers):
         raise ValueError("reader_routing replaces softmax routers only")
-    try:
+    with contextlib.ExitStack() as stack:
         for router in routers:
-            # An instance attribute shadows the class's forward; deleting it brings the class's back.
-            router.forward = lambda hidden, router=router: _reader_router_forward(router, fn, hidden)
+            stack.enter_context(shadowed(router, forward=lambda hidden, router=router:
+                                         _reader_router_forward(router, fn, hidden)))
         yield
-    finally:
-        for router in routers:
-            router.__dict__.pop("forward", None)
 
 
 def _engine_llm() -> LLM:
@@ -184,18 +192,12 @@ def _engine_llm() -> LLM:
 
 
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=ENGINE_TOKENS, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
+    return greedy_tokens(llm, ENGINE_PROMPTS, ENGINE_TOKENS)
 
 
 def _compare_runs(name: str, actual: list[list[int]], expected: list[list[int]], engine: str) -> CheckResult:
-    for prompt, got, want in zip(ENGINE_PROMPTS, actual, expected, strict=True):
-        if got != want:
-            first = next(i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w)
-            return CheckResult("FAIL", name, f"right on every case, but plugged into the engine {engine} greedy "
-                                             f"token {first} for prompt {prompt!r} differs: got {got[first]}, "
-                                             f"expected {want[first]}", first_mismatch=first)
-    return CheckResult("PASS", name, max_diff=0.0)
+    return compare_token_runs(name, actual, expected, f"right on every case, but plugged into the engine {engine}",
+                              labels=[repr(p) for p in ENGINE_PROMPTS]) or CheckResult("PASS", name, max_diff=0.0)
 
 
 def _check_route_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -197,3 +198,17 @@ def _clone(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     return value
+
+
+@contextmanager
+def shadowed(obj: Any, **methods: Callable[..., Any]) -> Iterator[None]:
+    """Inside the block, each named method of ``obj`` is the given function (an instance attribute
+    shadows the class's method); afterwards the class's again, whatever happened (deleting the
+    instance attribute brings it back)."""
+    for name, fn in methods.items():
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for name in methods:
+            obj.__dict__.pop(name, None)
