@@ -10,7 +10,6 @@ matrix products.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,11 +87,4 @@ def describe(floor: Floor) -> str:
             f"GFLOP/s; copy bandwidth {floor.bandwidth / 1e9:.1f} GB/s")
 
 
-def median_floor(floors: Sequence[Floor]) -> Floor:
-    """The per-field median of several measurements."""
-    return Floor({k: statistics.median(f.fp32_flops[k] for f in floors) for k in floors[0].fp32_flops},
-                 statistics.median(f.bf16_flops for f in floors), statistics.median(f.bandwidth for f in floors),
-                 floors[0].threads)
-
-
-__all__ = ["Floor", "describe", "measure_floor", "median_floor", "request_flops", "workload_flops"]
+__all__ = ["Floor", "describe", "measure_floor", "request_flops", "workload_flops"]

@@ -141,11 +141,6 @@ def kernel_built() -> bool:
     return any(folder.glob(f"{_NAME}*.so"))
 
 
-def cpu_kernel_available() -> bool:
-    """Whether :func:`paged_decode_attention_cpu` runs the compiled kernel here (builds it if needed)."""
-    return load_kernel()[0] is not None
-
-
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, *,
@@ -166,4 +161,4 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                float(scale), -1 if sliding_window is None else int(sliding_window))
 
 
-__all__ = ["cpu_kernel_available", "kernel_built", "load_kernel", "paged_decode_attention_cpu"]
+__all__ = ["kernel_built", "load_kernel", "paged_decode_attention_cpu"]

@@ -75,7 +75,6 @@ class CommStats:
     wait_seconds: float = 0.0
     #: Seconds spent running this rank's experts on rows it received.
     expert_seconds: float = 0.0
-    per_layer_rows: dict[int, int] = field(default_factory=dict)
     #: Dispatched bytes this rank sent to each other rank, and combined bytes it got back from each.
     dispatch_sent_to: dict[int, int] = field(default_factory=dict)
     combine_received_from: dict[int, int] = field(default_factory=dict)
@@ -359,7 +358,6 @@ class ExpertParallelDispatcher(Dispatcher[LocalExpertBatch]):
             for m, (work, started) in enumerate(returns):
                 landed(work, f"combine {m}", started)
         stats.calls += 1
-        stats.per_layer_rows[self.layer_index] = stats.per_layer_rows.get(self.layer_index, 0) + int(incoming.sum())
         if group.trace is not None:
             group.trace.append(events)
         return results[:len(payloads)]
