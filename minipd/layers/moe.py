@@ -90,18 +90,19 @@ class MoE(nn.Module):
             self.routing_log.append(routing_summary(weights, expert_ids, self.router.num_experts))
         # The routed experts get the rows as a quantized all-to-all would deliver them (the shared expert
         # runs where the token is, on the rows as they are).
-        if self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher) and not capped:
-            from minipd.kernels.fused_moe import fused_moe_triton
-
-            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
-            out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
-        elif capped:
-            # Over capacity, slots marked -1 are skipped (only the local dispatcher takes `dropped`).
-            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
-            batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
-            out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
-        else:
+        fused = self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher)
+        if not fused and not capped:
             out = self.dispatcher.run(hidden, weights, expert_ids, self.experts, self.dispatch_format)
+        else:
+            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
+            if capped:
+                # Over capacity, slots marked -1 are skipped (only the local dispatcher takes `dropped`).
+                batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
+                out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
+            else:
+                from minipd.kernels.fused_moe import fused_moe_triton
+
+                out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             if self.shared_expert_gate is not None:
