@@ -5,8 +5,10 @@ AVX2 code path; oneDNN (bundled with torch, reachable through ``torch.ops.mkldnn
 the machine's real instruction set and a weight layout packed for them. Packing is done once per
 weight, when the engine is built, so a step only multiplies. On this project's 2-core AMD EPYC
 (AVX-512), one thread, the five linear shapes of tiny-py: oneDNN takes 0.43-0.52x MKL's time from 4 rows
-up, but 1.2x at one row, where MKL's matrix-vector product is quicker; a one-row call (a single
-stream's decode step) therefore stays on ``F.linear``.
+up, but 1.2x at one row. There (a single stream's decode step) the fastest is a plain matrix product
+against a transposed copy of the weight kept beside it: about 0.8x ``F.linear``'s matrix-vector path.
+oneDNN's call is wrapped as a torch custom op, so a compiled decode step
+(:mod:`minipd.engine.compiled_decode`) calls it whole.
 
 The result is not bit-identical to MKL's (a different summation order: differences of about 1e-6
 relative), which is why it is an engine option; the tests check that greedy outputs do not change.
@@ -28,10 +30,22 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@torch.library.custom_op("minipd::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` against a oneDNN-packed ``W``; a custom op so a compiled graph calls it whole
+    (the compiler cannot lay out the packed weight itself)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight is also kept in oneDNN's packed layout; same parameters, same result
-    up to summation order. ``weight`` and ``bias`` stay the original tensors (tied embeddings, state dicts
-    and weight readers see no difference); the packed copy costs the weight's size again."""
+    """An ``nn.Linear`` whose weight is also kept in oneDNN's packed layout and transposed; same parameters,
+    same result up to summation order. ``weight`` and ``bias`` stay the original tensors (tied embeddings,
+    state dicts and weight readers see no difference); the two copies cost the weight's size twice again."""
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int = 64) -> None:
         super().__init__()
@@ -41,19 +55,25 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        # Not a parameter or buffer: derived from `weight`, rebuilt by repack() if the weight changes.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        self.repack(batch_size_hint)
 
     def repack(self, batch_size_hint: int = 64) -> None:
         """Pack ``weight`` again (after it was changed in place)."""
+        # Not parameters or buffers: derived from `weight`, rebuilt here if the weight changes.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows <= SMALL_ROWS or (torch.is_grad_enabled() and self.weight.requires_grad):
+        if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        flat = x.reshape(rows, x.shape[-1])
+        if rows <= SMALL_ROWS:
+            # A product against the transposed copy beats F.linear's matrix-vector path and oneDNN at one row.
+            out = torch.mm(flat, self.weight_t)
+            out = out if self.bias is None else out + self.bias
+        else:
+            out = onednn_linear(flat.contiguous(), self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
