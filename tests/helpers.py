@@ -131,3 +131,19 @@ def assert_child_exits_with_its_parent(script: Path, what: str, grace: float = 2
         parent.wait(timeout=10)
         if alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def need_cpu_kernel():
+    """The built C++ CPU attention extension. Where it cannot be built the test fails, unless
+    ``MINIPD_NO_CPU_KERNEL=1`` says this machine has no compiler: then it is skipped, saying so."""
+    import pytest
+
+    from minipd.kernels.cpu_paged_attention import load_kernel
+
+    module, why = load_kernel()
+    if module is None:
+        if os.environ.get("MINIPD_NO_CPU_KERNEL") != "1":
+            pytest.fail(f"the C++ CPU kernel did not build ({why}); set MINIPD_NO_CPU_KERNEL=1 where no compiler "
+                        "exists")
+        pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
+    return module

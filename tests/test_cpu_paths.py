@@ -3,11 +3,10 @@ per-step thread count."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import need_cpu_kernel
 from torch import nn
 
 from minipd import LLM, SamplingParams
@@ -126,23 +125,13 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
 
 # ------------------------------------------------------------------------ the C++ paged decode kernel
 
-def _kernel():
-    from minipd.kernels.cpu_paged_attention import load_kernel
-
-    module, why = load_kernel()
-    if module is None and os.environ.get("MINIPD_NO_CPU_KERNEL") != "1":
-        pytest.fail(f"the C++ CPU kernel did not build ({why}); set MINIPD_NO_CPU_KERNEL=1 where no compiler exists")
-    return module
-
-
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64)])
 @pytest.mark.parametrize("window", [None, 7, 40])
 def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window):
     from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
     from minipd.kernels.paged_attention import paged_decode_attention_torch
 
-    if _kernel() is None:
-        pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
+    need_cpu_kernel()
     torch.manual_seed(heads * dim + (window or 0))
     blocks, block_size = 40, 8
     k, v = torch.randn(blocks, block_size, kv_heads, dim), torch.randn(blocks, block_size, kv_heads, dim)
@@ -167,8 +156,7 @@ def test_cpu_decode_kernel_leaves_other_formats_to_the_reference():
 
 @pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])
 def test_cpu_backend_gives_the_reference_greedy_tokens(model):
-    if _kernel() is None:
-        pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
+    need_cpu_kernel()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (24, 5, 40, 12, 30)]
     want = [o.token_ids for o in LLM(model, kernel_backend="torch").generate(PROMPTS, params)]
     fast = LLM(model, kernel_backend="cpu", block_size=8)

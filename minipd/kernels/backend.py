@@ -66,7 +66,7 @@ TORCH_BACKEND = KernelBackend("torch", store_kv_torch, paged_decode_attention_to
 
 
 def default_backend_name(device: torch.device) -> str:
-    """Triton on CUDA (when installed); on a CPU the compiled C++ decode kernel once it is built; else torch."""
+    """Triton on CUDA (when installed); on a CPU the compiled C++ attention kernels once built; else torch."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -106,13 +106,17 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
 
 
 def _cpu_backend(device: torch.device) -> KernelBackend:
-    """The torch references with paged decode attention swapped for the compiled C++ kernel."""
-    from minipd.kernels.cpu_paged_attention import load_kernel, paged_decode_attention_cpu
+    """The torch references with paged decode and prefill attention swapped for the compiled C++ kernels."""
+    from minipd.kernels.cpu_paged_attention import (
+        load_kernel,
+        paged_decode_attention_cpu,
+        paged_prefill_attention_cpu,
+    )
 
     if device.type != "cpu":
         raise ValueError(f"kernel_backend='cpu' runs on the CPU; this model is on {device.type}")
     module, why = load_kernel()
     if module is None:
         raise ValueError(f"kernel_backend='cpu' could not be built here ({why}); use kernel_backend='torch'")
-    return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_torch,
+    return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_cpu,
                          add_rms_norm_torch, _torch_limits)

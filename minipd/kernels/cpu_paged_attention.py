@@ -1,19 +1,27 @@
-"""Paged decode attention as a C++ CPU kernel that reads the pool in place (``kernel_backend="cpu"``).
+"""Paged attention as C++ CPU kernels that read the pool in place (``kernel_backend="cpu"``): decode and prefill.
 
-The torch reference (:func:`~minipd.kernels.paged_attention.paged_decode_attention_torch`) gathers
-every sequence's blocks into padded tensors and runs masked SDPA: a copy of the whole context per
-layer per step, plus the padding. This kernel walks each sequence's block table instead and keeps a
-running (online) softmax per query head, one block of keys at a time, so K and V are read once,
-where they lie. Work is split over (sequence, KV head) pairs with ``at::parallel_for``; the query
-heads sharing a KV head (grouped-query attention) are served together, so each K/V row is loaded
-once for the whole group.
+The torch references (:mod:`minipd.kernels.paged_attention`) gather every sequence's blocks into
+contiguous (decode: padded) tensors and run SDPA: a copy of the whole context per layer per step.
+These kernels walk each sequence's block table instead and keep a running (online) softmax per query
+row, one block of keys at a time, so K and V are read once, where they lie. The query heads sharing
+a KV head (grouped-query attention) are served together, so each K/V row is loaded once for the group.
 
-It is compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the
+- :func:`paged_decode_attention_cpu`: one query per sequence; work is split over (sequence, KV head)
+  pairs with ``at::parallel_for``. The new token's K/V may be passed separately (``k_new``, ``v_new``)
+  instead of read from the pool, for a compiled decode step that must not write the pool.
+- :func:`paged_prefill_attention_cpu`: every sequence's chunk of queries in one call, causal, with an
+  optional sliding window. Work items are (sequence, KV head, tile of queries), costliest first, taken
+  one at a time by each thread, so one long prompt still uses every core. A tile's query rows (its
+  queries times the group's heads) share each K/V row loaded; blocks no query of the tile sees are
+  skipped; scores and outputs are accumulated in register-sized panels, and the exponential is a
+  polynomial the compiler vectorises (``std::exp`` is a scalar call).
+
+They are compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the
 build is cached under ``~/.cache/torch_extensions``): by ``make install``, by
 ``python -m minipd build-kernels``, or on first use of ``kernel_backend="cpu"``. The default backend on
 a CPU is this one once it is built, the torch reference before. When it cannot be built,
-:func:`load_kernel` says why. It handles fp32 queries over
-an fp32 cache; anything else (fp16 caches, quantized pools) goes to the reference.
+:func:`load_kernel` says why. They handle fp32 queries over an fp32 cache; anything else (fp16 caches,
+quantized pools, other devices) goes to the references.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from minipd.kernels.paged_attention import paged_decode_attention_torch
+from minipd.kernels.kv_store import store_kv_torch
+from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 
 logger = logging.getLogger("minipd")
 
@@ -35,23 +44,153 @@ _NAME = "minipd_cpu_paged_attention"
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+namespace {
+
+// Lanes of one score / accumulator panel row: one AVX-512 register of fp32, two AVX2 ones.
+constexpr int64_t kLanes = 16;
+// Panel rows kept in registers at once (keys of a score panel, head-dim entries of an output panel).
+#ifdef __AVX512F__
+constexpr int kPanelRows = 8;
+#else
+constexpr int kPanelRows = 4;
+#endif
+// Query rows (queries x query heads of a group) a prefill tile aims for, and its range in queries.
+constexpr int64_t kTileRows = 64, kMinTileQueries = 8, kMaxTileQueries = 32;
+// The score of a masked (query, key) pair: finite, so a row with nothing visible yet never computes
+// -inf - -inf; its probability is set to 0 explicitly.
+constexpr float kMasked = -1e30f;
+
+// exp(x) within 2 ulps (Cody-Waite reduction, degree-6 polynomial), plain arithmetic so that loops
+// calling it vectorise (std::exp does not without -ffast-math). Inputs are clamped to [-87.3, 88.3]:
+// below, it returns ~1e-38 instead of 0, which only ever multiplies zeros or negligible terms here.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  // Round x / ln 2 to the nearest integer by adding and removing 1.5 * 2^23 (std::floor would not vectorise).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// c[i][:] = (kKeep ? c[i][:] * keep[:] : 0) + sum_j a(i, j) * b[j][:] for I rows of kLanes lanes, where
+// a(i, j) = a[i * a_i + j * a_j]. The one inner loop of both products of a prefill tile; the I x kLanes
+// accumulators stay in registers over the whole depth.
+template <int I, bool kKeep>
+inline void panel(const float* a, int64_t a_i, int64_t a_j, const float* b, int64_t ldb, int64_t depth,
+                  float* c, int64_t ldc, const float* keep) {
+  float acc[I][kLanes];
+  for (int i = 0; i < I; ++i) {
+#pragma omp simd
+    for (int64_t r = 0; r < kLanes; ++r) acc[i][r] = kKeep ? c[i * ldc + r] * keep[r] : 0.f;
+  }
+  for (int64_t j = 0; j < depth; ++j) {
+    const float* bj = b + j * ldb;
+    for (int i = 0; i < I; ++i) {
+      const float aij = a[i * a_i + j * a_j];
+#pragma omp simd
+      for (int64_t r = 0; r < kLanes; ++r) acc[i][r] += aij * bj[r];
+    }
+  }
+  for (int i = 0; i < I; ++i) {
+#pragma omp simd
+    for (int64_t r = 0; r < kLanes; ++r) c[i * ldc + r] = acc[i][r];
+  }
+}
+
+// The whole (rows x width) product c = [c * keep +] a b, width a multiple of kLanes, in panels.
+template <bool kKeep>
+inline void product(const float* a, int64_t a_i, int64_t a_j, const float* b, int64_t ldb, int64_t depth,
+                    float* c, int64_t ldc, int64_t rows, int64_t width, const float* keep) {
+  for (int64_t r0 = 0; r0 < width; r0 += kLanes) {
+    const float* keep_r = kKeep ? keep + r0 : nullptr;
+    int64_t i = 0;
+    for (; i + kPanelRows <= rows; i += kPanelRows)
+      panel<kPanelRows, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+    for (; i < rows; ++i) panel<1, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+  }
+}
+
+void check_pool(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q must be (tokens, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
+  for (const torch::Tensor* t : {&q, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "q and the caches must be contiguous fp32 CPU tensors");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and the query heads must be a multiple of the KV heads");
+  for (const torch::Tensor* t : {&block_tables, &context_lens})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->device().is_cpu() && t->is_contiguous(),
+                "block tables and lengths must be contiguous int64 CPU tensors");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == context_lens.size(0),
+              "block_tables must be (sequences, width) and context_lens (sequences,)");
+}
+
+// Sequence `seq` keeps its first `length` positions in valid blocks of its table row (read unchecked later).
+void check_blocks(const int64_t* tables, int64_t width, int64_t seq, int64_t length, int64_t block_size,
+                  int64_t num_blocks) {
+  TORCH_CHECK(length >= 0 && length <= width * block_size && length < std::numeric_limits<int32_t>::max(),
+              "sequence ", seq, ": context length ", length, " does not fit its block table");
+  for (int64_t j = 0; j < (length + block_size - 1) / block_size; ++j) {
+    const int64_t block = tables[seq * width + j];
+    TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", seq, ": block id ", block, " out of range");
+  }
+}
+
+// One work item of a prefill: a tile of one sequence's queries against one KV head.
+struct PrefillTile {
+  int64_t seq, first_query, num_queries, kv_head, cost;
+};
+
+}  // namespace
+
 // q (B, H, D), caches (N, block_size, KVH, D), tables (B, max_blocks) int64, lens (B) int64; fp32.
+// k_new, v_new: empty, or (B, KVH, D): position lens[b] - 1 is read from them, not from the pool.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           int64_t window) {
+                           int64_t window, torch::Tensor k_new, torch::Tensor v_new) {
+  check_pool(q, k_cache, v_cache, block_tables, context_lens);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t group = H / KVH, table_width = block_tables.size(1);
+  TORCH_CHECK(context_lens.size(0) == B, "one length per query");
+  const bool has_new = k_new.numel() > 0;
+  if (has_new) {
+    for (const torch::Tensor* t : {&k_new, &v_new})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous() &&
+                      t->dim() == 3 && t->size(0) == B && t->size(1) == KVH && t->size(2) == D,
+                  "k_new and v_new must be contiguous fp32 (batch, kv_heads, head_dim) CPU tensors");
+  }
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(!has_new || lp[b] >= 1, "sequence ", b, ": with k_new a context holds at least the new token");
+    check_blocks(tp, table_width, b, has_new ? lp[b] - 1 : lp[b], bs, num_blocks);
+  }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tp = block_tables.data_ptr<int64_t>();
-  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  const float* knp = has_new ? k_new.data_ptr<float>() : nullptr;
+  const float* vnp = has_new ? v_new.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t row = KVH * D, block_stride = bs * row;
   const float fscale = static_cast<float>(scale);
@@ -60,13 +199,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      // With the new token supplied, the pool holds the positions before it only.
+      const int64_t pool_end = has_new ? len - 1 : len;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       const float* qb = qp + (b * H + kvh * group) * D;
-      for (int64_t start = first - first % bs; start < len; start += bs) {
+      // first < pool_end: an empty range would give a block of no scores, whose correction is exp(-inf + inf).
+      for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
         const int64_t block = tp[b * table_width + start / bs];
-        const int64_t lo = std::max(start, first), hi = std::min(start + bs, len);
+        const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
         const float* kb = kp + block * block_stride + kvh * D;
         const float* vb = vp + block * block_stride + kvh * D;
         for (int64_t g = 0; g < group; ++g) {
@@ -98,10 +240,159 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
           m[g] = m_new;
         }
       }
+      if (has_new) {
+        // The new token, last position of the context: one more single-row step of the online softmax.
+        const float* kn = knp + (b * KVH + kvh) * D;
+        const float* vn = vnp + (b * KVH + kvh) * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qb + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kn[d];
+          dot *= fscale;
+          const float m_new = std::max(m[g], dot);
+          const float correction = std::exp(m[g] - m_new), p = std::exp(dot - m_new);
+          l[g] = l[g] * correction + p;
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] = a[d] * correction + p * vn[d];
+          m[g] = m_new;
+        }
+      }
       for (int64_t g = 0; g < group; ++g) {
         float* o = op + (b * H + kvh * group + g) * D;
         const float inv = 1.f / l[g];
         for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+// q (N, H, D): sequence i's queries are rows query_start_loc[i] .. query_start_loc[i + 1], the last of its
+// context_lens[i] positions (their K/V already in the pool). Causal; window > 0 keeps the `window` most
+// recent keys of each query. Caches, tables and lengths as for paged_decode.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor query_start_loc,
+                            torch::Tensor context_lens, double scale, int64_t window) {
+  check_pool(q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kLong && query_start_loc.device().is_cpu() &&
+                  query_start_loc.is_contiguous() && query_start_loc.dim() == 1 &&
+                  query_start_loc.size(0) == context_lens.size(0) + 1,
+              "query_start_loc must be a contiguous int64 CPU tensor of sequences + 1 offsets");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t B = context_lens.size(0), group = H / KVH, table_width = block_tables.size(1);
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  if (window <= 0) window = 0;
+
+  // Tiles of queries: each K/V row loaded serves tile_queries x group query rows, padded to whole panels.
+  const int64_t tile_queries = std::clamp(kTileRows / group, kMinTileQueries, kMaxTileQueries);
+  const int64_t width = (tile_queries * group + kLanes - 1) / kLanes * kLanes;
+  std::vector<PrefillTile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_begin = qsl[b], q_end = qsl[b + 1], len = lp[b];
+    TORCH_CHECK(0 <= q_begin && q_begin <= q_end && q_end <= N && q_end - q_begin <= len,
+                "sequence ", b, ": its queries must be rows of q and the last of its context");
+    check_blocks(tp, table_width, b, len, bs, num_blocks);
+    for (int64_t first_query = q_begin; first_query < q_end; first_query += tile_queries) {
+      const int64_t count = std::min(tile_queries, q_end - first_query);
+      const int64_t last_pos = len - (q_end - first_query) + count - 1;
+      const int64_t first_key = window ? std::max<int64_t>(0, last_pos - count + 1 - window + 1) : 0;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        tiles.push_back({b, first_query, count, kvh, count * (last_pos + 1 - first_key)});
+    }
+  }
+  // Costliest tiles first, handed out one at a time: a causal prompt's late tiles see the most keys, so
+  // static halves would leave one core idle while the other does its tail.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = KVH * D, block_stride = bs * row;
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  std::atomic<int64_t> next_tile{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // Per worker: the tile's scaled queries transposed (D x width), scores then probabilities (bs x width),
+    // the output accumulator transposed (D x width), and per query row its softmax state and position range.
+    std::vector<float> q_t(D * width), probs(bs * width), acc_t(D * width);
+    std::vector<float> m(width), l(width), block_max(width), correction(width);
+    std::vector<int32_t> pos(width), first_visible(width);
+    for (int64_t idx; (idx = next_tile.fetch_add(1)) < num_tiles;) {
+      const PrefillTile& tile = tiles[idx];
+      const int64_t b = tile.seq, kvh = tile.kv_head, len = lp[b];
+      const int64_t rows = tile.num_queries * group;
+      const int64_t first_pos = len - (qsl[b + 1] - tile.first_query);
+      const float* q_tile = qp + (tile.first_query * H + kvh * group) * D;
+      // Row r is query r / group, head r % group; padding rows copy the last query's position, with zero q.
+      for (int64_t r = 0; r < width; ++r) {
+        if (r < rows) {
+          const float* src = q_tile + (r / group) * H * D + (r % group) * D;
+          for (int64_t d = 0; d < D; ++d) q_t[d * width + r] = src[d] * fscale;
+        } else {
+          for (int64_t d = 0; d < D; ++d) q_t[d * width + r] = 0.f;
+        }
+        pos[r] = static_cast<int32_t>(first_pos + (r < rows ? r / group : tile.num_queries - 1));
+        first_visible[r] = window ? pos[r] - static_cast<int32_t>(window) + 1 : 0;
+      }
+      std::fill(m.begin(), m.end(), kMasked);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc_t.begin(), acc_t.end(), 0.f);
+      const int64_t key_begin = std::max<int64_t>(0, first_visible[0]), key_end = pos[width - 1] + 1;
+      // Only the blocks some query of the tile sees: from the first row's window start to the last row.
+      for (int64_t start = key_begin - key_begin % bs; start < key_end; start += bs) {
+        const int64_t block = tp[b * table_width + start / bs];
+        const int64_t lo = std::max(start, key_begin), hi = std::min(start + bs, key_end), n = hi - lo;
+        const float* kb = kp + block * block_stride + (lo - start) * row + kvh * D;
+        const float* vb = vp + block * block_stride + (lo - start) * row + kvh * D;
+        // scores[t][r] = q_r . k_t (scaled)
+        product<false>(kb, row, 1, q_t.data(), width, D, probs.data(), width, n, width, nullptr);
+        // Mask only blocks not wholly visible to every row (the diagonal, the window's edge).
+        if (hi - 1 > pos[0] || lo < first_visible[width - 1]) {
+          for (int64_t t = 0; t < n; ++t) {
+            const int32_t key = static_cast<int32_t>(lo + t);
+            float* s = probs.data() + t * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; ++r) s[r] = key <= pos[r] && key >= first_visible[r] ? s[r] : kMasked;
+          }
+        }
+        std::fill(block_max.begin(), block_max.end(), kMasked);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* s = probs.data() + t * width;
+#pragma omp simd
+          for (int64_t r = 0; r < width; ++r) block_max[r] = std::max(block_max[r], s[r]);
+        }
+        // Online softmax: rescale what was accumulated to the new running maximum, once per block.
+#pragma omp simd
+        for (int64_t r = 0; r < width; ++r) {
+          const float m_new = std::max(m[r], block_max[r]);
+          correction[r] = exp_approx(m[r] - m_new);
+          l[r] *= correction[r];
+          m[r] = m_new;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          float* s = probs.data() + t * width;
+#pragma omp simd
+          for (int64_t r = 0; r < width; ++r) {
+            const float p = s[r] == kMasked ? 0.f : exp_approx(s[r] - m[r]);
+            s[r] = p;
+            l[r] += p;
+          }
+        }
+        // acc_t[d][r] = acc_t[d][r] * correction[r] + sum_t v_t[d] p[t][r]
+        product<true>(vb, 1, row, probs.data(), width, n, acc_t.data(), width, D, width, correction.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = op + ((tile.first_query + r / group) * H + kvh * group + r % group) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc_t[d * width + r] * inv;
       }
     }
   });
@@ -112,24 +403,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 @functools.cache
 def load_kernel() -> tuple[object | None, str | None]:
-    """``(module, None)`` once the kernel is built (or loaded from the cache), else ``(None, why not)``."""
+    """``(module, None)`` once the kernels are built (or loaded from the cache), else ``(None, why not)``."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        module = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["paged_decode"],
+        module = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                              verbose=False)
         return module, None
     except Exception as err:  # no compiler, no ninja, a sandbox without write access...
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        logger.info("the CPU paged-attention kernel could not be built (%s); using the torch reference", reason)
+        logger.info("the CPU paged-attention kernels could not be built (%s); using the torch references", reason)
         return None, reason
 
 
 def kernel_built() -> bool:
-    """Whether a build of the kernel is already in torch's extension cache (nothing is compiled to find out).
+    """Whether a build of the kernels is already in torch's extension cache (nothing is compiled to find out).
 
-    The engine picks the kernel by default only then: a first build takes a minute, which ``make install``
+    The engine picks the kernels by default only then: a first build takes a minute, which ``make install``
     (or ``python -m minipd build-kernels``) pays once, never a reader's first ``LLM(...)``.
     """
     from torch.utils.cpp_extension import _get_build_directory
@@ -141,24 +432,94 @@ def kernel_built() -> bool:
     return any(folder.glob(f"{_NAME}*.so"))
 
 
+#: Stands for "no new K/V rows" in a call of the C++ decode (it takes tensors, not None).
+_NO_ROWS = torch.empty(0)
+
+
+def _takes(*tensors: object) -> bool:
+    """Whether the kernels read these as they are: plain fp32 CPU tensors (no quantized pool objects)."""
+    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
+               and t.layout == torch.strided for t in tensors)
+
+
+def _window(sliding_window: int | None) -> int:
+    return 0 if sliding_window is None else int(sliding_window)
+
+
+def _as_index(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
 def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None, *,
-                               context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
+                               context_lens_host: Sequence[int] | None = None,
+                               k_new: torch.Tensor | None = None,
+                               v_new: torch.Tensor | None = None) -> torch.Tensor:
     """As :func:`~minipd.kernels.paged_attention.paged_decode_attention_torch`, reading the pool in place.
 
+    With ``k_new`` and ``v_new`` (B, kv_heads, head_dim), each sequence's last position
+    (``context_lens[b] - 1``) is taken from them instead of the pool, whose slot for it may hold anything;
+    the pool is read for the positions before it only. So a decode step can attend before (or without)
+    storing its token. Every length must then be at least 1.
+
     Falls back to the reference for what the kernel does not take (non-fp32 tensors, non-CPU tensors,
-    a pool that is not a plain tensor, or no compiled kernel).
+    a pool that is not a plain tensor, or no compiled kernel); with ``k_new`` the fallback stores the new
+    rows into a copy of the pool first (slow, but the same answer as storing, then attending).
     """
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
     module, _ = load_kernel()
-    plain = all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu"
-                for t in (q, k_cache, v_cache))
-    if module is None or not plain or q.shape[1] % k_cache.shape[2]:
+    rows = () if k_new is None else (k_new, v_new)
+    if module is None or not _takes(q, k_cache, v_cache, *rows) or q.shape[1] % k_cache.shape[2]:
+        if k_new is not None and v_new is not None:
+            k_cache, v_cache = _with_new_rows(k_cache, v_cache, block_tables, context_lens, k_new, v_new)
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
                                             context_lens_host=context_lens_host)
+    k_rows = _NO_ROWS if k_new is None else k_new.contiguous()
+    v_rows = _NO_ROWS if v_new is None else v_new.contiguous()
     return module.paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),  # type: ignore[attr-defined]
-                               block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous(),
-                               float(scale), -1 if sliding_window is None else int(sliding_window))
+                               _as_index(block_tables), _as_index(context_lens), float(scale),
+                               _window(sliding_window), k_rows, v_rows)
 
 
-__all__ = ["kernel_built", "load_kernel", "paged_decode_attention_cpu"]
+def _with_new_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with each sequence's last position holding its ``k_new``/``v_new`` row."""
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        raise TypeError("k_new/v_new need plain tensor caches; a quantized pool stores its new rows first")
+    block_size = k_cache.shape[1]
+    last = context_lens.to(device=block_tables.device, dtype=torch.int64) - 1
+    if bool((last < 0).any()):
+        raise ValueError("with k_new every context holds at least the new token (context_lens >= 1)")
+    blocks = block_tables.to(torch.int64).gather(1, (last // block_size)[:, None]).squeeze(1)
+    slots = (blocks * block_size + last % block_size).to(k_cache.device)
+    k_copy, v_copy = k_cache.clone(), v_cache.clone()
+    store_kv_torch(k_new, v_new, k_copy, v_copy, slots, has_padding=False)
+    return k_copy, v_copy
+
+
+def paged_prefill_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float,
+                                sliding_window: int | None = None, *,
+                                query_start_host: Sequence[int] | None = None,
+                                context_lens_host: Sequence[int] | None = None) -> torch.Tensor:
+    """As :func:`~minipd.kernels.paged_attention.paged_prefill_attention_torch`, in one call that reads the
+    pool in place.
+
+    The host lists are not needed (the kernel reads the CPU tensors directly); they are passed on to
+    the reference when it falls back to it, for the same reasons as :func:`paged_decode_attention_cpu`.
+    """
+    module, _ = load_kernel()
+    if module is None or not _takes(q, k_cache, v_cache) or q.shape[1] % k_cache.shape[2]:
+        return paged_prefill_attention_torch(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                                             sliding_window, query_start_host=query_start_host,
+                                             context_lens_host=context_lens_host)
+    return module.paged_prefill(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),  # type: ignore[attr-defined]
+                                _as_index(block_tables), _as_index(query_start_loc), _as_index(context_lens),
+                                float(scale), _window(sliding_window))
+
+
+__all__ = ["kernel_built", "load_kernel", "paged_decode_attention_cpu", "paged_prefill_attention_cpu"]
