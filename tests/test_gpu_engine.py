@@ -32,3 +32,14 @@ def test_cuda_bf16_runs_and_keeps_the_pool_whole():
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=32))
     assert all(o.finish_reason in ("stop", "length") for o in outs)
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@cuda
+def test_cuda_compiled_decode_captures_graphs_with_the_eager_tokens():
+    # mode="reduce-overhead": each bucket is a CUDA graph replayed over the pool, which must not be copied.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17, 3)] * 4
+    options = dict(device="cuda", dtype=torch.float32, max_model_len=128, max_num_seqs=16)
+    eager = LLM("tiny-py", **options).generate(PROMPTS, params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4, 16), **options)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in eager]
+    assert llm.engine.core.runner.compiled.compiled

@@ -27,7 +27,7 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV blocks of prompts' common prefixes (True or False).
         scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
-        kernel_backend: ``"torch"``, ``"triton"`` or ``"cpu"`` (the compiled C++ paged decode kernel of
+        kernel_backend: ``"torch"``, ``"triton"`` or ``"cpu"`` (the compiled C++ paged-attention kernels of
             :mod:`minipd.kernels.cpu_paged_attention`); None picks Triton on CUDA, and on a CPU the C++
             kernel once it is built (``make install`` builds it), torch before.
         linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
@@ -39,6 +39,14 @@ class EngineConfig:
         cpu_threads: threads a CPU step runs on: ``"auto"`` (one for steps of up to 4 tokens, where a second
             thread costs more than it brings, torch's thread count for bigger ones; see
             :mod:`minipd.engine.threads`) or a fixed positive count.
+        compile_decode: run pure-decode steps through a compiled static-shape program, one per (batch,
+            block-table width) bucket (:mod:`minipd.engine.compiled_decode`; ``torch.compile``, and on a GPU a
+            CUDA graph). Dense models with an unquantized cache only. Off by default: each bucket takes tens of
+            seconds to compile on a laptop CPU.
+        compile_warmup: with ``compile_decode``, compile every bucket when the engine starts instead of on
+            first use.
+        compile_batch_sizes: the batch buckets (None: 1, 2, 4, ... up to ``max_num_seqs``); a decode step
+            of more sequences than the largest runs eagerly.
         moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
             ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
@@ -95,6 +103,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     weight_dtype: str = "auto"
     cpu_threads: int | str = "auto"
+    compile_decode: bool = False
+    compile_warmup: bool = False
+    compile_batch_sizes: tuple[int, ...] | None = None
     moe_backend: str = "auto"
     moe_capacity_factor: float | None = None
     moe_overflow: str = "drop"
@@ -143,6 +154,7 @@ class EngineConfig:
                              f"'adaptive', got {self.kv_cache_dtype!r}")
         self._check_eviction()
         self._check_adaptive()
+        self._check_compile()
         if not is_integer(self.stats_history) or self.stats_history < 1:
             raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
         if self.snapshot_interval is not None:
@@ -205,6 +217,25 @@ class EngineConfig:
         if size > 1 and self.moe_backend == "triton":
             raise ValueError("moe_backend='triton' fuses the token permutation with local experts; with "
                              "expert_parallel_size > 1 use 'loop', 'grouped_mm' or 'auto'")
+
+    def _check_compile(self) -> None:
+        for name in ("compile_decode", "compile_warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        sizes = self.compile_batch_sizes
+        if sizes is not None:
+            if (not isinstance(sizes, (tuple, list)) or not sizes
+                    or not all(is_integer(n) and 0 < n <= self.max_num_seqs for n in sizes)):
+                raise ValueError(f"compile_batch_sizes must be None or a non-empty list of batch sizes between 1 "
+                                 f"and max_num_seqs ({self.max_num_seqs}), got {sizes!r}")
+            self.compile_batch_sizes = tuple(sorted({int(n) for n in sizes}))
+        if self.compile_warmup and not self.compile_decode:
+            raise ValueError("compile_warmup compiles the decode buckets of compile_decode: pass compile_decode=True")
+        from minipd.kv.spec import KV_DTYPES
+
+        if self.compile_decode and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError("compile_decode reads an unquantized cache; kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")
 
     def _check_adaptive(self) -> None:
         from minipd.kv.quant import PER_TOKEN_FORMATS as formats

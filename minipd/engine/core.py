@@ -19,6 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
 from minipd.kv.spec import KVSpec
 from minipd.layers.moe import MoE
 from minipd.models.decoder import DecoderModel
+
+if TYPE_CHECKING:
+    from minipd.engine.compiled_decode import CompiledDecode
 
 logger = logging.getLogger("minipd")
 
@@ -100,6 +104,8 @@ class EngineCore:
             self.scheduler.make_room = self._compress_one
         self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
                                   config.max_num_seqs, max_model_len)
+        if config.compile_decode:
+            self.runner.compiled = self._compile_decode(max_model_len)
         #: Live requests (waiting, running, waiting for K/V, or finished but holding K/V), by id.
         self.requests: dict[str, Request] = {}
         #: The most recent steps' records (a ring buffer: a long-running service does not grow).
@@ -122,6 +128,34 @@ class EngineCore:
         #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
+
+    def _compile_decode(self, max_model_len: int) -> CompiledDecode:
+        """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
+
+        Attention is the C++ kernel (as a torch custom op the compiler calls whole) with the CPU backend,
+        else the static-shape torch reference, which a GPU captures in its CUDA graph.
+        """
+        from minipd.engine.compiled_decode import (
+            CompiledDecode,
+            bucket_sizes,
+            cpu_decode_attention_op,
+            decode_attention_with_new,
+        )
+
+        if self.moe_layers or self.model.config.is_mla:
+            raise ValueError("compile_decode covers dense attention models; this model has "
+                             f"{'mixture-of-experts layers' if self.moe_layers else 'multi-head latent attention'}: "
+                             "pass compile_decode=False")
+        if self.compressed_spec is not None or self.kv_spec.is_quantized or self.kv_spec.has_residual_window:
+            raise ValueError("compile_decode reads an unquantized, single-format cache: pass compile_decode=False")
+        kernel = self.kernels.name == "cpu"  # reads up to each length: no need to bucket the table's width
+        attend = cpu_decode_attention_op() if kernel else decode_attention_with_new
+        sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)
+        compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
+                                  width_buckets=not kernel)
+        if self.config.compile_warmup:
+            compiled.warm_up()
+        return compiled
 
     def _set_moe_backend(self, model: DecoderModel, backend: str) -> None:
         """Point every MoE layer of ``model`` at ``backend`` (checked to run on this device), and give it the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from minipd.kv.residual import ResidualWindow
 from minipd.layers.sampler import sample_next_tokens
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
+
+if TYPE_CHECKING:
+    from minipd.engine.compiled_decode import CompiledDecode
 
 
 class InputBuffers:
@@ -108,6 +111,20 @@ class ModelRunner:
         self.attention_observer: Callable[..., None] | None = None
         #: A KIVI cache's filling blocks, kept in full precision (None for every other format).
         self.residual = ResidualWindow(pool) if pool.spec.has_residual_window else None
+        #: The compiled static-shape decode step (``compile_decode=True``), used for the steps it covers.
+        self.compiled: CompiledDecode | None = None
+
+    def _compiled_bucket(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """The bucket the compiled decode step runs ``batch`` in, or None when the step must run eagerly:
+        a prefill chunk, a row that samples nothing, prompt log-probabilities, a hook or observer, or too big."""
+        if self.compiled is None or self.layer_hook is not None or self.attention_observer is not None:
+            return None
+        width = 0
+        for r, n in batch.entries:
+            if n != 1 or r.num_computed_tokens + 1 != r.num_tokens or r.params.prompt_logprobs is not None:
+                return None
+            width = max(width, len(r.blocks.block_table))
+        return self.compiled.buckets_for(len(batch.entries), width)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata,
                                                       list[Request], list[int]]:
@@ -208,8 +225,14 @@ class ModelRunner:
         adaptive = hasattr(self.pool, "compressed_layer")
         if adaptive:  # full-precision requests' rows first, then compressed ones (decodes, then prefills, each)
             batch.entries.sort(key=lambda entry: bool(entry[0].blocks.compressed))
+        bucket = self._compiled_bucket(batch)
         try:
             input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
+            if bucket is not None and self.compiled is not None:
+                # Every row is a decode that samples: the logits come out in row order.
+                logits = self.compiled.run(input_ids, positions, metadata.decode_block_tables,
+                                           metadata.decode_context_lens, metadata.slot_mapping, bucket)
+                return self._sample(to_sample, logits, {})
             hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
             observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
             parts = None
@@ -226,7 +249,11 @@ class ModelRunner:
         if not to_sample:
             return StepResult([], [], [], prompt_logprobs)
         last = hidden[rows[0]:rows[0] + 1] if len(rows) == 1 else hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(last)
+        return self._sample(to_sample, self.model.compute_logits(last), prompt_logprobs)
+
+    def _sample(self, to_sample: list[Request], logits: torch.Tensor,
+                prompt_logprobs: dict[str, list[dict[int, float]]]) -> StepResult:
+        """Next tokens (and the log-probabilities asked for) from the sampled rows' logits."""
         tokens = sample_next_tokens(logits, [r.params for r in to_sample], [r.seed for r in to_sample],
                                     [r.sampling_offset for r in to_sample]).tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(to_sample)

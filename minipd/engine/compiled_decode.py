@@ -1,0 +1,224 @@
+"""A decode step of fixed shape, compiled once per (batch, block-table width) bucket (``compile_decode=True``).
+
+An eager decode step of a small model is mostly Python: a few dozen small ops per layer, each
+dispatched from the interpreter, plus attention code that looks at lengths on the host. A step of
+*fixed* shape can instead be traced once and run as one compiled program (``torch.compile``; on a
+GPU, ``mode="reduce-overhead"`` also captures it as a CUDA graph, replayed with one launch). Fixed
+shape means:
+
+- the batch is padded to a bucket size (1, 2, 4, 8, ...), the padding rows attending only to their
+  own token, and the block tables to a bucket width (powers of two of blocks), padded with block 0;
+- nothing reads a length on the host: attention takes the lengths as a tensor;
+- the graph does not write the KV pool. Writing into a slice of one big pool tensor inside a compiled
+  graph makes the functionalised program copy the whole pool on every call, so the graph *returns*
+  each layer's new K and V, attention reads the new token's K/V from those instead of the pool
+  (:func:`decode_attention_with_new`), and one ``index_copy_`` after the graph stores all layers.
+
+Each bucket is compiled on its first use (tens of seconds on a laptop CPU) or all at start-up with
+``compile_warmup=True``. Steps the compiled program does not cover run eagerly: anything with a
+prefill chunk, a batch or context beyond the largest bucket, a layer hook (layer-wise KV transfer) or
+an attention observer (eviction by received attention), prompt log-probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from minipd.kernels.backend import TORCH_BACKEND
+from minipd.kv.paged_pool import PagedKVPool
+from minipd.models.decoder import DecoderModel
+from minipd.models.forward_context import ForwardContext
+
+
+def decode_attention_with_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float, window: int) -> torch.Tensor:
+    """One query per sequence over its paged context, whose last position is ``k_new``/``v_new`` (B, KVH, D),
+    not the pool (the pool's slot for it need not be written yet). Static shapes, no host reads.
+
+    ``block_tables`` (B, W) spans ``W * block_size`` positions; positions at or past ``context_lens`` are
+    masked, so padding columns may name any valid block. ``window`` <= 0 means no sliding window.
+    """
+    batch, _, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    span = block_tables.shape[1] * block_size
+    k = k_cache[block_tables].view(batch, span, kv_heads, dim)
+    v = v_cache[block_tables].view(batch, span, kv_heads, dim)
+    pos = torch.arange(span, device=q.device)[None, :]
+    last = (context_lens.to(torch.int64) - 1)[:, None]
+    is_new = (pos == last)[:, :, None, None]
+    k = torch.where(is_new, k_new[:, None].to(k.dtype), k).to(q.dtype)
+    v = torch.where(is_new, v_new[:, None].to(v.dtype), v).to(q.dtype)
+    mask = pos <= last
+    if window > 0:
+        mask = mask & (pos > last - window)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+@functools.cache
+def cpu_decode_attention_op() -> Callable[..., torch.Tensor]:
+    """The C++ decode kernel with the new token supplied, as a torch custom op (``minipd::decode_with_new``).
+
+    A compiled graph cannot trace into a compiled extension; a custom op with a fake (shape-only)
+    implementation is called whole instead. It reads the pool and writes nothing but its output.
+    """
+    from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
+
+    @torch.library.custom_op("minipd::decode_with_new", mutates_args=())
+    def decode_with_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        scale: float, window: int) -> torch.Tensor:
+        return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                          None if window <= 0 else window, k_new=k_new, v_new=v_new)
+
+    @decode_with_new.register_fake
+    def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    return decode_with_new
+
+
+class StaticDecodeCache:
+    """The model's cache interface for one traced decode step: attends, and keeps each layer's new K/V."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, attend: Callable[..., torch.Tensor]) -> None:
+        self.k_pool, self.v_pool = k_pool, v_pool
+        self.block_tables, self.context_lens = block_tables, context_lens
+        self._attend = attend
+        self.new_k: list[torch.Tensor] = []
+        self.new_v: list[torch.Tensor] = []
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        self.new_k.append(k)
+        self.new_v.append(v)
+        return self._attend(q, k, v, self.k_pool[layer_idx], self.v_pool[layer_idx], self.block_tables,
+                            self.context_lens, scale, -1 if sliding_window is None else sliding_window)
+
+    def advance(self, num_tokens: int) -> None:
+        """Nothing to do (the scheduler tracks what is computed)."""
+
+
+def bucket_sizes(largest: int) -> list[int]:
+    """1, 2, 4, ... up to ``largest``, and ``largest`` itself."""
+    sizes = [1]
+    while sizes[-1] * 2 < largest:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != largest:
+        sizes.append(largest)
+    return sizes
+
+
+def _bucket(sizes: Sequence[int], n: int) -> int | None:
+    return next((s for s in sizes if s >= n), None)
+
+
+class CompiledDecode:
+    """Runs pure-decode steps through one compiled program per (batch bucket, width bucket).
+
+    Args:
+        model: the engine's model (its modules are traced as they are: packed or int8 linears included).
+        pool: the engine's paged pool (plain, in the model's dtype).
+        attend: decode attention with the new token supplied (:func:`decode_attention_with_new` or a kernel
+            with its signature, registered as a torch custom op so the compiler calls it whole).
+        batch_sizes: batch buckets; ``max_blocks``: the widest block table (the model's length in blocks).
+        width_buckets: pad block tables to powers of two of blocks (True), for an attention whose cost grows
+            with the padded width (the torch reference gathers it all), or always to ``max_blocks`` (False),
+            for a kernel that reads each sequence's blocks only up to its length: one graph per batch size.
+    """
+
+    #: Buckets of every instance so far (see the recompile limit in ``__init__``).
+    _graphs = 0
+
+    def __init__(self, model: DecoderModel, pool: PagedKVPool, attend: Callable[..., torch.Tensor],
+                 batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.attend = attend
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.widths = bucket_sizes(max_blocks) if width_buckets else [max_blocks]
+        self.device = model.embed_tokens.weight.device
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # The pool is read by the captured graphs in place: it must not be copied into graph-owned inputs.
+            torch._dynamo.mark_static_address(pool.k)
+            torch._dynamo.mark_static_address(pool.v)
+        # Every bucket is its own graph, and every engine in the process adds its own to the same traced
+        # function: past dynamo's limit (8) it would quietly run eagerly, so the limit grows with them.
+        config = torch._dynamo.config
+        CompiledDecode._graphs += len(self.batch_sizes) * len(self.widths)
+        config.recompile_limit = max(config.recompile_limit, CompiledDecode._graphs)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, CompiledDecode._graphs)
+        # Freezing treats the weights as constants, so on a CPU the compiler packs them for oneDNN once.
+        self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                   **({"mode": "reduce-overhead"} if cuda else {"options": {"freezing": True}}))
+        #: (batch bucket, width bucket) pairs compiled so far.
+        self.compiled: set[tuple[int, int]] = set()
+        num_layers, num_blocks, block_size = pool.k.shape[:3]
+        self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
+        self._flat_v = pool.v.view(num_layers, num_blocks * block_size, *pool.v.shape[3:])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend)
+        # The kernels are named from this module's globals: the compiler can only wrap objects it can find again.
+        hidden = self.model(input_ids, positions, ForwardContext(cache, TORCH_BACKEND))  # type: ignore[arg-type]
+        logits = self.model.compute_logits(hidden)
+        return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
+
+    def buckets_for(self, batch: int, width: int) -> tuple[int, int] | None:
+        """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big."""
+        b, w = _bucket(self.batch_sizes, batch), _bucket(self.widths, width)
+        return None if b is None or w is None else (b, w)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, slot_mapping: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+        """Logits (batch, vocab) of one decode step, each sequence's new K/V stored in the pool.
+
+        The inputs are padded here to ``bucket``: ids and positions 0, tables with block 0, length 1.
+        """
+        batch, width = block_tables.shape
+        rows, cols = bucket
+        if rows != batch or cols != width:
+            padded = torch.zeros(rows, cols, dtype=block_tables.dtype, device=self.device)
+            padded[:batch, :width] = block_tables
+            block_tables = padded
+            input_ids = F.pad(input_ids, (0, rows - batch))
+            positions = F.pad(positions, (0, rows - batch))
+            context_lens = F.pad(context_lens, (0, rows - batch), value=1)
+        logits, new_k, new_v = self._step(input_ids, positions, block_tables, context_lens, self.pool.k, self.pool.v)
+        self.compiled.add(bucket)
+        slots = slot_mapping.to(torch.int64)
+        self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))
+        self._flat_v.index_copy_(1, slots, new_v[:, :batch].to(self.pool.v.dtype))
+        return logits[:batch]
+
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every bucket now (a dummy step each, writing only into block 0's first slots)."""
+        from tqdm.auto import tqdm
+
+        pairs = [(b, w) for b in self.batch_sizes for w in self.widths]
+        for rows, cols in tqdm(pairs, desc="compiling decode buckets", disable=not progress):
+            ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            tables = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+            lens = torch.ones(rows, dtype=torch.int32, device=self.device)
+            # Slot 0 of block 0 for every row: the dummy K/V land where no sequence's live K/V are...
+            self.run(ids, ids, tables, lens, torch.zeros(rows, dtype=torch.int64, device=self.device), (rows, cols))
+
+
+__all__ = [
+    "CompiledDecode",
+    "StaticDecodeCache",
+    "bucket_sizes",
+    "cpu_decode_attention_op",
+    "decode_attention_with_new",
+]

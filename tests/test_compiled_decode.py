@@ -1,0 +1,123 @@
+"""The compiled static-shape decode step (``compile_decode=True``): its attention against the paged
+reference, the engine's outputs against the eager engine, what it refuses, and its buckets.
+
+Compiling costs ~10-30 s per bucket on a 2-core CPU, so these tests keep to a few small buckets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_hf_model, need_cpu_kernel
+
+from minipd import LLM, SamplingParams
+from minipd.engine.compiled_decode import bucket_sizes, decode_attention_with_new
+from minipd.engine.config import EngineConfig
+from minipd.kernels.paged_attention import paged_decode_attention_torch
+
+PROMPTS = ["def fib(n):", "import os\nclass Foo:", "for i in range(10):\n    print("]
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, -1), (8, 2, -1), (8, 2, 5)])
+def test_attention_with_the_new_token_supplied_matches_the_paged_reference(heads, kv_heads, window):
+    torch.manual_seed(0)
+    block_size, dim, num_blocks = 8, 16, 24
+    lens = torch.tensor([1, 9, 17, 30])  # one row with nothing cached, one just past a block edge
+    batch = len(lens)
+    k_cache, v_cache = torch.randn(num_blocks, block_size, kv_heads, dim), torch.randn(num_blocks, block_size,
+                                                                                       kv_heads, dim)
+    # Shuffled, non-contiguous blocks; the table is wider than any sequence needs (padding with block 0).
+    tables = torch.zeros(batch, 6, dtype=torch.int32)
+    ids = torch.randperm(num_blocks - 1) + 1
+    for b, n in enumerate(lens.tolist()):
+        blocks = -(-n // block_size)
+        tables[b, :blocks] = ids[4 * b:4 * b + blocks]
+    q, k_new, v_new = torch.randn(batch, heads, dim), torch.randn(batch, kv_heads, dim), torch.randn(batch, kv_heads,
+                                                                                                     dim)
+    got = decode_attention_with_new(q, k_new, v_new, k_cache, v_cache, tables, lens.to(torch.int32), 0.25, window)
+    # The reference reads the new token from the pool: store it there first (the compiled step does it after).
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lens.tolist()):
+        block, offset = tables[b, (n - 1) // block_size], (n - 1) % block_size
+        k_ref[block, offset], v_ref[block, offset] = k_new[b], v_new[b]
+    want = paged_decode_attention_torch(q, k_ref, v_ref, tables, lens, 0.25, None if window < 0 else window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The pool itself was only read.
+    assert not torch.equal(k_cache, k_ref)
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+
+
+def _tokens(llm: LLM, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "cpu"])
+def test_compiled_decode_gives_the_eager_greedy_tokens(kernel_backend):
+    if kernel_backend == "cpu":
+        need_cpu_kernel()
+    # Different lengths: the batch shrinks from 3 to 1, every step padded into the one bucket of 4.
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 12, 5)]
+    options = dict(kernel_backend=kernel_backend, max_model_len=64, max_num_seqs=4)
+    want = _tokens(LLM("tiny-py", **options), params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    assert _tokens(llm, params) == want
+    compiled = llm.engine.core.runner.compiled
+    assert compiled is not None and compiled.compiled and all(b == 4 for b, _ in compiled.compiled)
+    # A batch wider than the largest bucket runs eagerly, and is still right.
+    wide = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * 3
+    narrow = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(1,), **options)
+    assert _tokens(narrow, wide) == _tokens(LLM("tiny-py", **options), wide)
+
+
+def test_compiled_decode_samples_and_reports_logprobs_like_eager():
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, logprobs=2)
+    options = dict(max_model_len=64, max_num_seqs=4, compile_batch_sizes=(4,))
+    eager = LLM("tiny-py", max_model_len=64, max_num_seqs=4).generate(PROMPTS[:2], params)
+    compiled = LLM("tiny-py", compile_decode=True, **options).generate(PROMPTS[:2], params)
+    for a, b in zip(compiled, eager, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for token, value in step_a.items():
+                assert value == pytest.approx(step_b[token], abs=1e-4)
+
+
+@pytest.mark.parametrize("kernel_backend,buckets", [
+    ("torch", {(1, 1), (1, 2), (2, 1), (2, 2)}),  # the reference gathers the padded width: widths bucketed
+    ("cpu", {(1, 2), (2, 2)}),  # the kernel reads up to each length: every table padded to the widest
+])
+def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
+
+    if kernel_backend == "cpu":
+        need_cpu_kernel()
+    make_hf_model(tmp_path, "qwen3", max_position_embeddings=64)  # q/k norms, untied head
+    llm = LLM(str(tmp_path), compile_decode=True, compile_warmup=True, compile_batch_sizes=(1, 2), block_size=16,
+              max_model_len=32, max_num_seqs=2, kernel_backend=kernel_backend)
+    compiled = llm.engine.core.runner.compiled
+    assert compiled.compiled == buckets
+    # Warm-up wrote only dummy rows: outputs are the eager engine's.
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tmp_path), max_model_len=32).generate([[5, 6, 7], [9, 1]], params)]
+    assert [o.token_ids for o in llm.generate([[5, 6, 7], [9, 1]], params)] == want
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(compile_warmup=True), "compile_warmup compiles the decode buckets"),
+    (dict(compile_decode="yes"), "compile_decode must be True or False"),
+    (dict(compile_decode=True, compile_batch_sizes=(0, 4)), "compile_batch_sizes must be"),
+    (dict(compile_decode=True, compile_batch_sizes=(4,), max_num_seqs=2), "compile_batch_sizes must be"),
+    (dict(compile_decode=True, kv_cache_dtype="int8"), "compile_decode reads an unquantized cache"),
+])
+def test_bad_compile_options_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+
+
+def test_compile_decode_refuses_models_it_does_not_cover():
+    with pytest.raises(ValueError, match="compile_decode covers dense attention models"):
+        LLM("tiny-py-moe", compile_decode=True)
