@@ -138,7 +138,7 @@ class EngineCore:
         from minipd.engine.compiled_decode import (
             CompiledDecode,
             bucket_sizes,
-            cpu_decode_attention_op,
+            cpu_decode_attention,
             decode_attention_with_new,
         )
 
@@ -149,7 +149,7 @@ class EngineCore:
         if self.compressed_spec is not None or self.kv_spec.is_quantized or self.kv_spec.has_residual_window:
             raise ValueError("compile_decode reads an unquantized, single-format cache: pass compile_decode=False")
         kernel = self.kernels.name == "cpu"  # reads up to each length: no need to bucket the table's width
-        attend = cpu_decode_attention_op() if kernel else decode_attention_with_new
+        attend = cpu_decode_attention if kernel else decode_attention_with_new
         sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
                                   width_buckets=not kernel)

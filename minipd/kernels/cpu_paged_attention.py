@@ -398,6 +398,14 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   });
   return out;
 }
+
+// The decode kernel as a dispatcher op too (torch.ops.minipd_cpu.paged_decode): a compiled graph calls
+// it directly, with no Python between the graph and the kernel.
+TORCH_LIBRARY(minipd_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int window, Tensor k_new, Tensor v_new) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(minipd_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
 """
 
 
@@ -410,6 +418,8 @@ def load_kernel() -> tuple[object | None, str | None]:
         module = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                              verbose=False)
+        # Its shape rule, for tracing: the output is shaped like the queries.
+        torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
         return module, None
     except Exception as err:  # no compiler, no ninja, a sandbox without write access...
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
