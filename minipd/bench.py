@@ -4,7 +4,8 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 
 - ``mixed``: 64 requests, prompts of 16–512 tokens, outputs of 16–256 (``ignore_eos``): offline
   throughput against HF padded ``generate`` and HF continuous batching (``generate_batch``'s manager);
-- ``single``: one stream of 256 new tokens: TPOT against HF ``generate``;
+- ``single``: one stream of 256 new tokens: TPOT, eager and with ``compile_decode`` (and int8 weights),
+  against HF ``generate`` and HF with a static cache and ``torch.compile``;
 - ``shared-prefix``: 32 requests sharing a 256-token prefix: prefill tokens computed and mean TTFT
   with prefix caching on and off;
 - ``pd`` (run on its own): prefill/decode interference, colocated against split workers
@@ -16,7 +17,10 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 - ``ep`` (run on its own): expert parallelism over processes, serial against overlapped micro-batches
   against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench_ep`).
 
-``--scale`` shrinks every workload (request counts and lengths) for a quick look.
+``--scale`` shrinks every workload (request counts and lengths) for a quick look; ``--rounds`` sets how
+many times each system runs, taking turns, for the min and median reported. On a CPU the run starts by
+measuring the machine's GEMM peak and memory bandwidth (:mod:`minipd.floor`): throughput is also given
+as useful FLOP/s, a share of that peak.
 """
 
 from __future__ import annotations
@@ -142,24 +146,51 @@ def run_hf_continuous(model, workload: Workload, never_token: int, max_batch_tok
     return Result("HF generate_batch (continuous)", seconds, int(produced))  # type: ignore[arg-type]
 
 
-def single_stream_tpot(llm, hf_model, prompt: list[int], new_tokens: int, pad_id: int) -> tuple[float, float]:
-    """(minipd TPOT, HF TPOT) in seconds for one stream of ``new_tokens`` after ``prompt``.
-
-    HF's TPOT is (time for all tokens - time for one token) / (tokens - 1): its prefill cancels out.
-    """
+def minipd_tpot(llm, prompt: list[int], new_tokens: int) -> float:
+    """minipd's time per output token (seconds) for one greedy stream of ``new_tokens`` after ``prompt``."""
     from minipd import SamplingParams
 
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
-    ids = torch.tensor([prompt])
+    return out.metrics.tpot
 
-    def hf(n: int) -> float:
+
+def hf_tpot(hf_model, prompt: list[int], new_tokens: int, pad_id: int, compiled: bool = False) -> float:
+    """HF ``generate``'s time per output token (seconds) for one greedy stream: (time for all tokens - time
+    for one) / (tokens - 1), so its prefill cancels out.
+
+    ``compiled``: with a static cache of a fixed length and ``torch.compile`` of the forward pass (HF's
+    own compile path, switched on for CPUs too). Its first call compiles; call it once before timing.
+    """
+    from transformers import CompileConfig, StaticCache
+
+    ids = torch.tensor([prompt])
+    options: dict = {}
+    if compiled:
+        config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
+        config._compile_all_devices = True  # HF compiles on accelerators only unless told
+        options["compile_config"] = config
+
+    def timed(n: int) -> float:
+        if compiled:  # a fresh cache each call, always as long: the same shapes, no recompilation
+            options["past_key_values"] = StaticCache(config=hf_model.config, max_cache_len=len(prompt) + new_tokens)
         with torch.inference_mode():
             return _timed(lambda: hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                                    pad_token_id=pad_id))[0]
+                                                    pad_token_id=pad_id, **options))[0]
 
-    hf(2)  # warm-up
-    hf_tpot = (min(hf(new_tokens) for _ in range(2)) - min(hf(1) for _ in range(2))) / (new_tokens - 1)
-    return out.metrics.tpot, hf_tpot  # type: ignore[return-value]
+    return (timed(new_tokens) - timed(1)) / (new_tokens - 1)
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each run's value over ``rounds`` rounds, the runs taking turns (a shared, noisy machine drifts)."""
+    values: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            values[name].append(run())
+    return values
+
+
+def _spread(values: list[float], scale: float, unit: str) -> str:
+    return f"min {min(values) * scale:8.2f} {unit}  median {statistics.median(values) * scale:8.2f} {unit}"
 
 
 def shared_prefix_run(model_name: str, workload: Workload, caching: bool) -> dict[str, float]:
@@ -191,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF's continuous batching baseline")
-    parser.add_argument("--rounds", type=int, default=3, help="pd: interleaved repetitions of every system (>= 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every system (>= 1)")
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error("--scale must be in (0, 1]")
@@ -214,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ep_main("tiny-py-moe" if args.model == "tiny-py" else args.model, args.scale)
 
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     from minipd import LLM, SamplingParams
@@ -241,45 +273,61 @@ def main(argv: list[str] | None = None) -> int:
         w = make_workload(max(2, round(64 * s)), (16, max(17, round(512 * s))), (16, max(17, round(256 * s))), vocab)
         useful = workload_flops(llm.config, [len(p) for p in w.prompts], w.output_lens)
         print(f"\n[mixed] {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-              f"{w.output_tokens} output tokens, {useful / 1e9:.1f} GFLOP of useful work")
-        ours = run_minipd(llm, w)
-        rows = [ours]
+              f"{w.output_tokens} output tokens, {useful / 1e9:.1f} GFLOP of useful work; "
+              f"{args.rounds} interleaved rounds")
+        systems: dict[str, Callable[[], Result]] = {"minipd": lambda: run_minipd(llm, w)}
         if llm.engine.core.linear_backend != "torch":  # what the packed linears bring, same run
-            plain = run_minipd(LLM(args.model, linear_backend="torch"), w)
-            plain.system = "minipd, F.linear (torch)"
-            rows.append(plain)
-        rows.append(run_hf_padded(hf, w, pad))
+            plain_llm = LLM(args.model, linear_backend="torch")
+            systems["minipd, F.linear (torch)"] = lambda: run_minipd(plain_llm, w)
+        systems["HF generate (padded)"] = lambda: run_hf_padded(hf, w, pad)
         if not args.no_hf_continuous:
             if hf_continuous_batching_available(hf):
-                rows.append(run_hf_continuous(hf, w, never_token=vocab))
+                systems["HF generate_batch (continuous)"] = lambda: run_hf_continuous(hf, w, never_token=vocab)
             else:
                 print("  HF continuous batching: not in this transformers version, not run")
-        for r in rows:
-            share = f"  {useful / r.seconds / floor.fp32_peak:6.1%} of the fp32 GEMM peak" if floor else ""
-            print(f"  {r.system:<32} {r.seconds:8.2f} s  {r.throughput:9.1f} output tok/s  "
-                  f"{useful / r.seconds / 1e9:7.1f} useful GFLOP/s{share}")
-        for r in rows[1:]:
-            target = 1.0 if r.system.startswith("minipd") else 4.0 if "padded" in r.system else 3.0
-            print(_line(f"throughput minipd / {r.system}", ours.throughput / r.throughput, target, "higher"))
+        seconds = interleaved({name: lambda run=run: run().seconds for name, run in systems.items()}, args.rounds)
+        best = {name: statistics.median(v) for name, v in seconds.items()}
+        for name, v in seconds.items():
+            share = f"  {useful / best[name] / floor.fp32_peak:6.1%} of the fp32 GEMM peak" if floor else ""
+            print(f"  {name:<32} {_spread(v, 1, 's')}  {w.output_tokens / best[name]:9.1f} output tok/s  "
+                  f"{useful / best[name] / 1e9:7.1f} useful GFLOP/s{share}")
+        for name in list(seconds)[1:]:
+            target = 1.0 if name.startswith("minipd") else 4.0 if "padded" in name else 3.0
+            print(_line(f"throughput minipd / {name} (medians)", best[name] / best["minipd"], target, "higher"))
         if floor is not None:
-            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / ours.seconds / floor.fp32_peak, 0.4,
+            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / best["minipd"] / floor.fp32_peak, 0.4,
                         "higher"))
 
     if "single" in workloads:
         new = max(8, round(256 * s))
         prompt = make_workload(1, (32, 32), (new, new), vocab, seed=1).prompts[0]
-        ours_tpot, hf_tpot = single_stream_tpot(llm, hf, prompt, new, pad)
-        print(f"\n[single] one stream, {new} new tokens")
-        print(f"  minipd TPOT {ours_tpot * 1e3:.2f} ms, HF generate TPOT {hf_tpot * 1e3:.2f} ms")
-        print(_line("TPOT minipd / HF generate", ours_tpot / hf_tpot, 0.5, "lower"))
+        print(f"\n[single] one stream, {new} new tokens, {args.rounds} interleaved rounds")
+        compiled = LLM(args.model, compile_decode=True, compile_batch_sizes=(1,))
+        runs: dict[str, Callable[[], float]] = {
+            "minipd": lambda: minipd_tpot(llm, prompt, new),
+            "minipd, compile_decode": lambda: minipd_tpot(compiled, prompt, new),
+        }
         if llm.device.type == "cpu":  # weight-only int8: a quarter of the weight bytes, bf16 products
-            int8 = LLM(args.model, weight_dtype="int8")
-            int8.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
-            int8_tpot = int8.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))[0]
-            tpot = int8_tpot.metrics.tpot
-            print(f"  minipd weight_dtype='int8' TPOT {tpot * 1e3:.2f} ms (quality: python -m minipd kvquality "
-                  "--methods weights-int8)")
-            print(_line("TPOT minipd int8 weights / HF generate", tpot / hf_tpot, 0.35, "lower"))
+            int8 = LLM(args.model, weight_dtype="int8", compile_decode=True, compile_batch_sizes=(1,))
+            runs["minipd, int8 weights, compile_decode"] = lambda: minipd_tpot(int8, prompt, new)
+        runs["HF generate"] = lambda: hf_tpot(hf, prompt, new, pad)
+        runs["HF static cache + torch.compile"] = lambda: hf_tpot(hf, prompt, new, pad, compiled=True)
+        for run in tqdm(list(runs.values()), desc="warm-up (compiles)", leave=False):
+            run()  # every compiled program is built here, outside the timed rounds
+        tpot = interleaved(runs, args.rounds)
+        for name, v in tpot.items():
+            print(f"  {name:<40} TPOT {_spread(v, 1e3, 'ms')}")
+        mid = {name: statistics.median(v) for name, v in tpot.items()}
+        hf_plain, hf_static = mid["HF generate"], mid["HF static cache + torch.compile"]
+        print(_line("TPOT minipd / HF generate", mid["minipd"] / hf_plain, 0.5, "lower"))
+        print(_line("TPOT minipd compile_decode / HF generate", mid["minipd, compile_decode"] / hf_plain, 0.5,
+                    "lower"))
+        print(_line("TPOT minipd compile_decode / HF static + compile", mid["minipd, compile_decode"] / hf_static,
+                    0.6, "lower"))
+        if "minipd, int8 weights, compile_decode" in mid:
+            print(_line("TPOT minipd int8 weights / HF generate", mid["minipd, int8 weights, compile_decode"]
+                        / hf_plain, 0.35, "lower"))
+            print("  (int8 weights' quality cost: python -m minipd kvquality --methods weights-int8)")
 
     if "shared-prefix" in workloads:
         w = make_workload(max(2, round(32 * s)), (16, max(17, round(64 * s))), (32, 32), vocab, seed=2,
