@@ -127,16 +127,17 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64)])
 @pytest.mark.parametrize("window", [None, 7, 40])
-def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window):
+@pytest.mark.parametrize("block_size", [8, 32])  # 32: a block is taken 16 keys at a time
+def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window, block_size):
     from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
     from minipd.kernels.paged_attention import paged_decode_attention_torch
 
     need_cpu_kernel()
     torch.manual_seed(heads * dim + (window or 0))
-    blocks, block_size = 40, 8
+    blocks = 40
     k, v = torch.randn(blocks, block_size, kv_heads, dim), torch.randn(blocks, block_size, kv_heads, dim)
-    # Lengths on and off block boundaries, a single token, and long ones; tables shuffled.
-    lens = torch.tensor([1, 8, 9, 16, 17, 100, 33, 64, 2])
+    # Lengths on and off block (and 16-key chunk) boundaries, a single token, and long ones; tables shuffled.
+    lens = torch.tensor([1, 8, 9, 16, 17, 100, 33, 64, 2, 31])
     tables = torch.stack([torch.randperm(blocks)[:14] for _ in lens])
     q = torch.randn(len(lens), heads, dim)
     want = paged_decode_attention_torch(q, k, v, tables, lens, 0.2, window)

@@ -195,7 +195,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t row = KVH * D, block_stride = bs * row;
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * D), scores(group * bs), m(group), l(group);
+    std::vector<float> acc(group * D), scores(group * kLanes), keys_t(D * kLanes), m(group), l(group);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -211,33 +211,46 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
         const float* kb = kp + block * block_stride + kvh * D;
         const float* vb = vp + block * block_stride + kvh * D;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qb + g * D;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = lo; t < hi; ++t) {
-            const float* k = kb + (t - start) * row;
-            float dot = 0.f;
-#pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-            dot *= fscale;
-            scores[g * bs + (t - start)] = dot;
-            block_max = std::max(block_max, dot);
+        // Up to kLanes keys at a time (a block may hold more).
+        for (int64_t c0 = lo; c0 < hi; c0 += kLanes) {
+          // Scores of the whole group against the chunk as one small product: its keys are first
+          // laid out transposed (head_dim x kLanes), so each query head's scores fill one register-wide row.
+          const int64_t n = std::min(hi - c0, kLanes);
+          for (int64_t t = 0; t < kLanes; ++t) {
+            const float* k = kb + (c0 - start + std::min(t, n - 1)) * row;  // unused lanes repeat a valid key
+            for (int64_t d = 0; d < D; ++d) keys_t[d * kLanes + t] = k[d];
           }
-          // Rescale what was accumulated to the new running maximum, once per block.
-          const float m_new = std::max(m[g], block_max);
-          const float correction = std::exp(m[g] - m_new);
-          float* a = acc.data() + g * D;
-          l[g] *= correction;
+          product<false>(qb, D, 1, keys_t.data(), kLanes, D, scores.data(), kLanes, group, kLanes, nullptr);
+          for (int64_t g = 0; g < group; ++g) {
+            float* sg = scores.data() + g * kLanes;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t t = 0; t < n; ++t) {
+              sg[t] *= fscale;
+              block_max = std::max(block_max, sg[t]);
+            }
+            // Rescale what was accumulated to the new running maximum, once per chunk of keys.
+            const float m_new = std::max(m[g], block_max);
+            const float correction = std::exp(m[g] - m_new);
+            float* a = acc.data() + g * D;
+            l[g] *= correction;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-          for (int64_t t = lo; t < hi; ++t) {
-            const float p = std::exp(scores[g * bs + (t - start)] - m_new);
-            l[g] += p;
-            const float* v = vb + (t - start) * row;
+            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+            // The chunk's probabilities in one vectorised pass (a scalar std::exp per key was most of the time).
+            float block_sum = 0.f;
+#pragma omp simd reduction(+:block_sum)
+            for (int64_t t = 0; t < n; ++t) {
+              sg[t] = exp_approx(sg[t] - m_new);
+              block_sum += sg[t];
+            }
+            l[g] += block_sum;
+            for (int64_t t = 0; t < n; ++t) {
+              const float pt = sg[t];
+              const float* v = vb + (c0 - start + t) * row;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+              for (int64_t d = 0; d < D; ++d) a[d] += pt * v[d];
+            }
+            m[g] = m_new;
           }
-          m[g] = m_new;
         }
       }
       if (has_new) {
