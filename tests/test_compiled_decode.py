@@ -100,10 +100,14 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
               max_model_len=32, max_num_seqs=2, kernel_backend=kernel_backend)
     compiled = llm.engine.core.runner.compiled
     assert compiled.compiled == buckets
-    # Warm-up wrote only dummy rows: outputs are the eager engine's.
+    # Warm-up wrote only dummy rows: outputs are the eager engine's, and nothing is compiled again.
+    from torch._dynamo.utils import counters
+
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(tmp_path), max_model_len=32).generate([[5, 6, 7], [9, 1]], params)]
+    compiles = counters["stats"]["calls_captured"]
     assert [o.token_ids for o in llm.generate([[5, 6, 7], [9, 1]], params)] == want
+    assert counters["stats"]["calls_captured"] == compiles
 
 
 @pytest.mark.parametrize("options,message", [

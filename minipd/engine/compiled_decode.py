@@ -150,6 +150,7 @@ class CompiledDecode:
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
         #: (batch bucket, width bucket) pairs compiled so far.
         self.compiled: set[tuple[int, int]] = set()
+        self._static: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         num_layers, num_blocks, block_size = pool.k.shape[:3]
         self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
         self._flat_v = pool.v.view(num_layers, num_blocks * block_size, *pool.v.shape[3:])
@@ -168,22 +169,46 @@ class CompiledDecode:
         b, w = _bucket(self.batch_sizes, batch), _bucket(self.widths, width)
         return None if b is None or w is None else (b, w)
 
+    def _inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """The bucket's input tensors, allocated once: ids, positions, tables and lengths.
+
+        Every call of a bucket's program sees the same tensors (what a CUDA graph needs anyway), made
+        outside inference mode: the compiler guards on how an input was created, and a step's own tensors
+        would differ from call to call (a slice of the runner's buffers, or a padded copy).
+        """
+        found = self._static.get(bucket)
+        if found is None:
+            rows, cols = bucket
+            with torch.inference_mode(False):
+                found = (torch.zeros(rows, dtype=torch.int64, device=self.device),
+                         torch.zeros(rows, dtype=torch.int64, device=self.device),
+                         torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
+                         torch.ones(rows, dtype=torch.int32, device=self.device))
+            if self.device.type == "cuda":  # replayed graphs read them in place, with no copy in
+                for t in found:
+                    torch._dynamo.mark_static_address(t)
+            self._static[bucket] = found
+        return found
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, slot_mapping: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
         """Logits (batch, vocab) of one decode step, each sequence's new K/V stored in the pool.
 
-        The inputs are padded here to ``bucket``: ids and positions 0, tables with block 0, length 1.
+        The inputs are copied into the bucket's tensors; padding rows get token 0 at position 0, a table of
+        block 0 and length 1: they attend to their own (discarded) token only.
         """
         batch, width = block_tables.shape
-        rows, cols = bucket
-        if rows != batch or cols != width:
-            padded = torch.zeros(rows, cols, dtype=block_tables.dtype, device=self.device)
-            padded[:batch, :width] = block_tables
-            block_tables = padded
-            input_ids = F.pad(input_ids, (0, rows - batch))
-            positions = F.pad(positions, (0, rows - batch))
-            context_lens = F.pad(context_lens, (0, rows - batch), value=1)
-        logits, new_k, new_v = self._step(input_ids, positions, block_tables, context_lens, self.pool.k, self.pool.v)
+        ids, pos, tables, lens = self._inputs(bucket)
+        ids[:batch].copy_(input_ids)
+        pos[:batch].copy_(positions)
+        tables[:batch, :width].copy_(block_tables)
+        lens[:batch].copy_(context_lens)
+        tables[:batch, width:].zero_()
+        ids[batch:].zero_()
+        pos[batch:].zero_()
+        tables[batch:].zero_()
+        lens[batch:].fill_(1)
+        logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
         self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))
@@ -192,16 +217,15 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, progress: bool = True) -> None:
-        """Compile every bucket now (a dummy step each, writing only into block 0's first slots)."""
+        """Compile every bucket now: one dummy step each, every row of which writes slot 0 of block 0.
+        Call it before any request holds K/V (the engine does, when it is built)."""
         from tqdm.auto import tqdm
 
         pairs = [(b, w) for b in self.batch_sizes for w in self.widths]
         for rows, cols in tqdm(pairs, desc="compiling decode buckets", disable=not progress):
-            ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            tables = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
-            lens = torch.ones(rows, dtype=torch.int32, device=self.device)
-            # Slot 0 of block 0 for every row: the dummy K/V land where no sequence's live K/V are...
-            self.run(ids, ids, tables, lens, torch.zeros(rows, dtype=torch.int64, device=self.device), (rows, cols))
+            zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.run(zeros, zeros, torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
+                     torch.ones(rows, dtype=torch.int32, device=self.device), zeros, (rows, cols))
 
 
 __all__ = [
