@@ -125,3 +125,25 @@ def test_bad_compile_options_name_the_field(options, message):
 def test_compile_decode_refuses_models_it_does_not_cover():
     with pytest.raises(ValueError, match="compile_decode covers dense attention models"):
         LLM("tiny-py-moe", compile_decode=True)
+
+
+def test_buckets_run_on_the_threads_they_were_compiled_for():
+    # A CPU program is built for the thread count it is traced under; the engine picks the count by the
+    # bucket (1 thread up to 4 rows, all from 5), so after warm-up no step traces a program again.
+    from torch._dynamo.utils import counters
+
+    need_cpu_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM("tiny-py", compile_decode=True, compile_warmup=True, compile_batch_sizes=(1, 8), max_model_len=64,
+                  max_num_seqs=8)
+        assert torch.get_num_threads() == 2  # warm-up gave the caller's count back
+        compiles = counters["stats"]["calls_captured"]
+        # Three sequences run in the bucket of 8 (on 2 threads), the last one alone in the bucket of 1 (on 1).
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 6, 14)]
+        llm.generate(PROMPTS, params)
+        assert counters["stats"]["calls_captured"] == compiles
+        assert llm.engine.core.runner.compiled.compiled == {(1, 4), (8, 4)}
+    finally:
+        torch.set_num_threads(before)

@@ -140,9 +140,10 @@ class CompiledDecode:
         # Every bucket is its own graph, and every engine in the process adds its own to the same traced
         # function: past dynamo's limit (8) it would quietly run eagerly, so the limit grows with them.
         config = torch._dynamo.config
+        # (Doubled, with room: a program is also traced again when torch's thread count changes.)
         CompiledDecode._graphs += len(self.batch_sizes) * len(self.widths)
-        config.recompile_limit = max(config.recompile_limit, CompiledDecode._graphs)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, CompiledDecode._graphs)
+        config.recompile_limit = max(config.recompile_limit, 2 * CompiledDecode._graphs + 8)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * CompiledDecode._graphs + 8)
         # On a CPU: weights frozen as constants (folded once), and no per-call checks of every input's
         # layout, which cost ~0.1 ms a step at batch 1 (the inputs are built by run() and cannot vary).
         cpu_options = {"freezing": True, "size_asserts": False, "alignment_asserts": False}
@@ -216,16 +217,28 @@ class CompiledDecode:
         return logits[:batch]
 
     @torch.inference_mode()
-    def warm_up(self, progress: bool = True) -> None:
+    def warm_up(self, progress: bool = True, threads: Callable[[int], int | None] | None = None) -> None:
         """Compile every bucket now: one dummy step each, every row of which writes slot 0 of block 0.
-        Call it before any request holds K/V (the engine does, when it is built)."""
+        Call it before any request holds K/V (the engine does, when it is built).
+
+        ``threads(rows)``: the CPU thread count steps of that bucket will run on. A CPU program is built
+        for the count it is traced under (and traced again under another), so warm-up must use the same.
+        """
         from tqdm.auto import tqdm
 
         pairs = [(b, w) for b in self.batch_sizes for w in self.widths]
-        for rows, cols in tqdm(pairs, desc="compiling decode buckets", disable=not progress):
-            zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            self.run(zeros, zeros, torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
-                     torch.ones(rows, dtype=torch.int32, device=self.device), zeros, (rows, cols))
+        caller = torch.get_num_threads()
+        try:
+            for rows, cols in tqdm(pairs, desc="compiling decode buckets", disable=not progress):
+                count = threads(rows) if threads is not None else None
+                if count is not None and count != torch.get_num_threads():
+                    torch.set_num_threads(count)
+                zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+                self.run(zeros, zeros, torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
+                         torch.ones(rows, dtype=torch.int32, device=self.device), zeros, (rows, cols))
+        finally:
+            if torch.get_num_threads() != caller:
+                torch.set_num_threads(caller)
 
 
 __all__ = [

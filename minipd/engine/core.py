@@ -154,7 +154,9 @@ class EngineCore:
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
                                   width_buckets=not kernel)
         if self.config.compile_warmup:
-            compiled.warm_up()
+            cpu = self.device.type == "cpu"
+            compiled.warm_up(threads=lambda rows: threads_for_step(self.config.cpu_threads, rows, self.default_threads)
+                             if cpu else None)
         return compiled
 
     def _set_moe_backend(self, model: DecoderModel, backend: str) -> None:
@@ -419,8 +421,11 @@ class EngineCore:
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
         try:
             if self.device.type == "cpu":
-                self.threads.enter(threads_for_step(self.config.cpu_threads, sum(n for _, n in batch.entries),
-                                                    self.default_threads))
+                # A compiled decode step runs its whole bucket, and its program was built for the thread
+                # count of that size: choose by the bucket, not the live rows, or it would be built again.
+                bucket = self.runner.compiled_bucket(batch)
+                tokens = bucket[0] if bucket is not None else sum(n for _, n in batch.entries)
+                self.threads.enter(threads_for_step(self.config.cpu_threads, tokens, self.default_threads))
             sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
         except BaseException:
             # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.

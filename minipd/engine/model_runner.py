@@ -12,6 +12,7 @@ kernel needs is also kept as a Python list, so no layer waits for a device-to-ho
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -30,6 +31,8 @@ from minipd.models.forward_context import ForwardContext
 
 if TYPE_CHECKING:
     from minipd.engine.compiled_decode import CompiledDecode
+
+logger = logging.getLogger("minipd")
 
 
 class InputBuffers:
@@ -114,7 +117,7 @@ class ModelRunner:
         #: The compiled static-shape decode step (``compile_decode=True``), used for the steps it covers.
         self.compiled: CompiledDecode | None = None
 
-    def _compiled_bucket(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+    def compiled_bucket(self, batch: ScheduledBatch) -> tuple[int, int] | None:
         """The bucket the compiled decode step runs ``batch`` in, or None when the step must run eagerly:
         a prefill chunk, a row that samples nothing, prompt log-probabilities, a hook or observer, or too big."""
         if self.compiled is None or self.layer_hook is not None or self.attention_observer is not None:
@@ -225,14 +228,19 @@ class ModelRunner:
         adaptive = hasattr(self.pool, "compressed_layer")
         if adaptive:  # full-precision requests' rows first, then compressed ones (decodes, then prefills, each)
             batch.entries.sort(key=lambda entry: bool(entry[0].blocks.compressed))
-        bucket = self._compiled_bucket(batch)
+        bucket = self.compiled_bucket(batch)
         try:
             input_ids, positions, metadata, to_sample, rows = self.prepare(batch)
             if bucket is not None and self.compiled is not None:
-                # Every row is a decode that samples: the logits come out in row order.
-                logits = self.compiled.run(input_ids, positions, metadata.decode_block_tables,
-                                           metadata.decode_context_lens, metadata.slot_mapping, bucket)
-                return self._sample(to_sample, logits, {})
+                try:
+                    # Every row is a decode that samples: the logits come out in row order.
+                    logits = self.compiled.run(input_ids, positions, metadata.decode_block_tables,
+                                               metadata.decode_context_lens, metadata.slot_mapping, bucket)
+                    return self._sample(to_sample, logits, {})
+                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                    # Nothing was written yet (the program stores K/V after it returns): go on eagerly.
+                    logger.warning("compile_decode turned off: the compiler refused another program (%s)", err)
+                    self.compiled = None
             hook = None if self.layer_hook is None else functools.partial(self.layer_hook, batch)
             observer = None if self.attention_observer is None else functools.partial(self.attention_observer, batch)
             parts = None
