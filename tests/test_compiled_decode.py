@@ -48,8 +48,10 @@ def test_attention_with_the_new_token_supplied_matches_the_paged_reference(heads
 
 def test_bucket_sizes():
     assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
     assert bucket_sizes(8) == [1, 2, 4, 8]
-    assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+    assert bucket_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert bucket_sizes(128)[-3:] == [112, 120, 128] and len(bucket_sizes(128)) == 19
 
 
 def _tokens(llm: LLM, params) -> list[list[int]]:

@@ -93,14 +93,22 @@ class StaticDecodeCache:
         """Nothing to do (the scheduler tracks what is computed)."""
 
 
-def bucket_sizes(largest: int) -> list[int]:
-    """1, 2, 4, ... up to ``largest``, and ``largest`` itself."""
+def bucket_sizes(largest: int, step: int = 8) -> list[int]:
+    """1, 2, 4, then every multiple of ``step`` below ``largest``, and ``largest`` itself.
+
+    Fine steps matter: a batch runs padded to its bucket, so with powers of two a batch of 33 would
+    compute 64 rows (vLLM's CUDA-graph capture sizes are spaced the same way).
+    """
+    sizes = [n for n in (1, 2, 4) if n < largest] + list(range(step, largest, step))
+    return sorted({*sizes, largest})
+
+
+def _powers_of_two(largest: int) -> list[int]:
+    """1, 2, 4, ... below ``largest``, and ``largest`` (block-table widths: attention grows with the width)."""
     sizes = [1]
     while sizes[-1] * 2 < largest:
         sizes.append(sizes[-1] * 2)
-    if sizes[-1] != largest:
-        sizes.append(largest)
-    return sizes
+    return sorted({*sizes, largest})
 
 
 def _bucket(sizes: Sequence[int], n: int) -> int | None:
@@ -130,7 +138,7 @@ class CompiledDecode:
         self.pool = pool
         self.attend = attend
         self.batch_sizes = sorted(set(batch_sizes))
-        self.widths = bucket_sizes(max_blocks) if width_buckets else [max_blocks]
+        self.widths = _powers_of_two(max_blocks) if width_buckets else [max_blocks]
         self.device = model.embed_tokens.weight.device
         cuda = self.device.type == "cuda"
         if cuda:

@@ -45,8 +45,8 @@ class EngineConfig:
             seconds to compile on a laptop CPU.
         compile_warmup: with ``compile_decode``, compile every bucket when the engine starts instead of on
             first use.
-        compile_batch_sizes: the batch buckets (None: 1, 2, 4, ... up to ``max_num_seqs``); a decode step
-            of more sequences than the largest runs eagerly.
+        compile_batch_sizes: the batch buckets (None: 1, 2, 4, then multiples of 8 up to ``max_num_seqs``);
+            a decode step of more sequences than the largest runs eagerly.
         moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
             ``"triton"`` (the fused kernel of :mod:`minipd.kernels.fused_moe`) or ``"auto"`` (grouped
