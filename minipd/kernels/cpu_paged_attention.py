@@ -50,6 +50,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -124,6 +125,8 @@ inline void product(const float* a, int64_t a_i, int64_t a_j, const float* b, in
     int64_t i = 0;
     for (; i + kPanelRows <= rows; i += kPanelRows)
       panel<kPanelRows, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+    for (; i + 4 <= rows; i += 4)  // a GQA group of 4 query heads, in decode
+      panel<4, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
     for (; i < rows; ++i) panel<1, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
   }
 }
@@ -194,91 +197,103 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   float* op = out.data_ptr<float>();
   const int64_t row = KVH * D, block_stride = bs * row;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * D), scores(group * kLanes), keys_t(D * kLanes), m(group), l(group);
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      // With the new token supplied, the pool holds the positions before it only.
-      const int64_t pool_end = has_new ? len - 1 : len;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      const float* qb = qp + (b * H + kvh * group) * D;
-      // first < pool_end: an empty range would give a block of no scores, whose correction is exp(-inf + inf).
-      for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
-        const int64_t block = tp[b * table_width + start / bs];
-        const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
-        const float* kb = kp + block * block_stride + kvh * D;
-        const float* vb = vp + block * block_stride + kvh * D;
-        // Up to kLanes keys at a time (a block may hold more).
-        for (int64_t c0 = lo; c0 < hi; c0 += kLanes) {
-          // Scores of the whole group against the chunk as one small product: its keys are first
-          // laid out transposed (head_dim x kLanes), so each query head's scores fill one register-wide row.
-          const int64_t n = std::min(hi - c0, kLanes);
-          for (int64_t t = 0; t < kLanes; ++t) {
-            const float* k = kb + (c0 - start + std::min(t, n - 1)) * row;  // unused lanes repeat a valid key
-            for (int64_t d = 0; d < D; ++d) keys_t[d * kLanes + t] = k[d];
-          }
-          product<false>(qb, D, 1, keys_t.data(), kLanes, D, scores.data(), kLanes, group, kLanes, nullptr);
-          for (int64_t g = 0; g < group; ++g) {
-            float* sg = scores.data() + g * kLanes;
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t t = 0; t < n; ++t) {
-              sg[t] *= fscale;
-              block_max = std::max(block_max, sg[t]);
+  // The head size as a constant for the common sizes: fixed trip counts let the compiler unroll and keep
+  // the per-key loops in registers.
+  auto run = [&](auto head_dim) {
+    constexpr int64_t kD = decltype(head_dim)::value;
+    const int64_t Dn = kD > 0 ? kD : D;
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(group * Dn), scores(group * kLanes), keys_t(Dn * kLanes), m(group), l(group);
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        // With the new token supplied, the pool holds the positions before it only.
+        const int64_t pool_end = has_new ? len - 1 : len;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.end(), 0.f);
+        const float* qb = qp + (b * H + kvh * group) * Dn;
+        // first < pool_end: an empty range would give a block of no scores, whose correction is exp(-inf + inf).
+        for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
+          const int64_t block = tp[b * table_width + start / bs];
+          const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
+          const float* kb = kp + block * block_stride + kvh * Dn;
+          const float* vb = vp + block * block_stride + kvh * Dn;
+          // Up to kLanes keys at a time (a block may hold more).
+          for (int64_t c0 = lo; c0 < hi; c0 += kLanes) {
+            // Scores of the whole group against the chunk as one small product: its keys are first
+            // laid out transposed (head_dim x kLanes), so each query head's scores fill one register-wide row.
+            const int64_t n = std::min(hi - c0, kLanes);
+            for (int64_t t = 0; t < kLanes; ++t) {
+              const float* k = kb + (c0 - start + std::min(t, n - 1)) * row;  // unused lanes repeat a valid key
+              for (int64_t d = 0; d < Dn; ++d) keys_t[d * kLanes + t] = k[d];
             }
-            // Rescale what was accumulated to the new running maximum, once per chunk of keys.
-            const float m_new = std::max(m[g], block_max);
-            const float correction = std::exp(m[g] - m_new);
-            float* a = acc.data() + g * D;
-            l[g] *= correction;
+            product<false>(qb, Dn, 1, keys_t.data(), kLanes, Dn, scores.data(), kLanes, group, kLanes, nullptr);
+            for (int64_t g = 0; g < group; ++g) {
+              float* sg = scores.data() + g * kLanes;
+              float block_max = -std::numeric_limits<float>::infinity();
+              for (int64_t t = 0; t < n; ++t) {
+                sg[t] *= fscale;
+                block_max = std::max(block_max, sg[t]);
+              }
+              // Rescale what was accumulated to the new running maximum, once per chunk of keys.
+              const float m_new = std::max(m[g], block_max);
+              const float correction = std::exp(m[g] - m_new);
+              float* a = acc.data() + g * Dn;
+              l[g] *= correction;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] *= correction;
-            // The chunk's probabilities in one vectorised pass (a scalar std::exp per key was most of the time).
-            float block_sum = 0.f;
+              for (int64_t d = 0; d < Dn; ++d) a[d] *= correction;
+              // The chunk's probabilities in one vectorised pass (a scalar std::exp per key was most of the time).
+              float block_sum = 0.f;
 #pragma omp simd reduction(+:block_sum)
-            for (int64_t t = 0; t < n; ++t) {
-              sg[t] = exp_approx(sg[t] - m_new);
-              block_sum += sg[t];
-            }
-            l[g] += block_sum;
-            for (int64_t t = 0; t < n; ++t) {
-              const float pt = sg[t];
-              const float* v = vb + (c0 - start + t) * row;
+              for (int64_t t = 0; t < n; ++t) {
+                sg[t] = exp_approx(sg[t] - m_new);
+                block_sum += sg[t];
+              }
+              l[g] += block_sum;
+              for (int64_t t = 0; t < n; ++t) {
+                const float pt = sg[t];
+                const float* v = vb + (c0 - start + t) * row;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] += pt * v[d];
+                for (int64_t d = 0; d < Dn; ++d) a[d] += pt * v[d];
+              }
+              m[g] = m_new;
             }
+          }
+        }
+        if (has_new) {
+          // The new token, last position of the context: one more single-row step of the online softmax.
+          const float* kn = knp + (b * KVH + kvh) * Dn;
+          const float* vn = vnp + (b * KVH + kvh) * Dn;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qh = qb + g * Dn;
+            float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < Dn; ++d) dot += qh[d] * kn[d];
+            dot *= fscale;
+            const float m_new = std::max(m[g], dot);
+            const float correction = std::exp(m[g] - m_new), p = std::exp(dot - m_new);
+            l[g] = l[g] * correction + p;
+            float* a = acc.data() + g * Dn;
+#pragma omp simd
+            for (int64_t d = 0; d < Dn; ++d) a[d] = a[d] * correction + p * vn[d];
             m[g] = m_new;
           }
         }
-      }
-      if (has_new) {
-        // The new token, last position of the context: one more single-row step of the online softmax.
-        const float* kn = knp + (b * KVH + kvh) * D;
-        const float* vn = vnp + (b * KVH + kvh) * D;
         for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qb + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+:dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kn[d];
-          dot *= fscale;
-          const float m_new = std::max(m[g], dot);
-          const float correction = std::exp(m[g] - m_new), p = std::exp(dot - m_new);
-          l[g] = l[g] * correction + p;
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] = a[d] * correction + p * vn[d];
-          m[g] = m_new;
+          float* o = op + (b * H + kvh * group + g) * Dn;
+          const float inv = 1.f / l[g];
+          for (int64_t d = 0; d < Dn; ++d) o[d] = acc[g * Dn + d] * inv;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (b * H + kvh * group + g) * D;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-      }
-    }
-  });
+    });
+  };
+  switch (D) {
+    case 32: run(std::integral_constant<int64_t, 32>{}); break;
+    case 64: run(std::integral_constant<int64_t, 64>{}); break;
+    case 128: run(std::integral_constant<int64_t, 128>{}); break;
+    default: run(std::integral_constant<int64_t, 0>{});
+  }
   return out;
 }
 
