@@ -149,3 +149,18 @@ def test_buckets_run_on_the_threads_they_were_compiled_for():
         assert llm.engine.core.runner.compiled.compiled == {(1, 4), (8, 4)}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_refused_recompilation_turns_compiled_decode_off_and_the_step_runs_eagerly(caplog):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM("tiny-py", max_model_len=64).generate(PROMPTS, params)]
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), max_model_len=64, max_num_seqs=4)
+    runner = llm.engine.core.runner
+
+    def refuse(*args, **kwargs):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
+
+    runner.compiled.run = refuse  # what the compiler raises past its limit, before anything is written
+    with caplog.at_level("WARNING", logger="minipd"):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert runner.compiled is None and "compile_decode turned off" in caplog.text

@@ -6,18 +6,22 @@ dispatched from the interpreter, plus attention code that looks at lengths on th
 GPU, ``mode="reduce-overhead"`` also captures it as a CUDA graph, replayed with one launch). Fixed
 shape means:
 
-- the batch is padded to a bucket size (1, 2, 4, 8, ...), the padding rows attending only to their
-  own token, and the block tables to a bucket width (powers of two of blocks), padded with block 0;
+- the batch is padded to a bucket size (1, 2, 4, then multiples of 8), the padding rows attending only
+  to their own token; block tables are padded with block 0 to a bucket width (powers of two of blocks
+  for the torch attention, which gathers the whole width; the widest table for the C++ kernel, which
+  reads each sequence only up to its length);
 - nothing reads a length on the host: attention takes the lengths as a tensor;
 - the graph does not write the KV pool. Writing into a slice of one big pool tensor inside a compiled
   graph makes the functionalised program copy the whole pool on every call, so the graph *returns*
   each layer's new K and V, attention reads the new token's K/V from those instead of the pool
   (:func:`decode_attention_with_new`), and one ``index_copy_`` after the graph stores all layers.
 
-Each bucket is compiled on its first use (tens of seconds on a laptop CPU) or all at start-up with
-``compile_warmup=True``. Steps the compiled program does not cover run eagerly: anything with a
-prefill chunk, a batch or context beyond the largest bucket, a layer hook (layer-wise KV transfer) or
-an attention observer (eviction by received attention), prompt log-probabilities.
+Each bucket is compiled on its first use (a few seconds to tens of seconds on a laptop CPU) or all at
+start-up with ``compile_warmup=True``. On a CPU the weights are frozen into the program as constants:
+a model whose weights change afterwards needs a new engine. Steps the compiled program does not
+cover run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a
+layer hook (layer-wise KV transfer) or an attention observer (eviction by received attention),
+prompt log-probabilities.
 """
 
 from __future__ import annotations
@@ -121,8 +125,8 @@ class CompiledDecode:
     Args:
         model: the engine's model (its modules are traced as they are: packed or int8 linears included).
         pool: the engine's paged pool (plain, in the model's dtype).
-        attend: decode attention with the new token supplied (:func:`decode_attention_with_new` or a kernel
-            with its signature, registered as a torch custom op so the compiler calls it whole).
+        attend: decode attention with the new token supplied (:func:`decode_attention_with_new`, or
+            :func:`cpu_decode_attention`, whose kernel is a dispatcher op the compiler calls whole).
         batch_sizes: batch buckets; ``max_blocks``: the widest block table (the model's length in blocks).
         width_buckets: pad block tables to powers of two of blocks (True), for an attention whose cost grows
             with the padded width (the torch reference gathers it all), or always to ``max_blocks`` (False),

@@ -132,8 +132,8 @@ class EngineCore:
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
 
-        Attention is the C++ kernel (as a torch custom op the compiler calls whole) with the CPU backend,
-        else the static-shape torch reference, which a GPU captures in its CUDA graph.
+        Attention is the C++ kernel (a dispatcher op the compiler calls whole) with the CPU backend, else the
+        static-shape torch reference, which a GPU captures in its CUDA graph.
         """
         from minipd.engine.compiled_decode import (
             CompiledDecode,
@@ -424,8 +424,8 @@ class EngineCore:
                 # A compiled decode step runs its whole bucket, and its program was built for the thread
                 # count of that size: choose by the bucket, not the live rows, or it would be built again.
                 bucket = self.runner.compiled_bucket(batch)
-                tokens = bucket[0] if bucket is not None else sum(n for _, n in batch.entries)
-                self.threads.enter(threads_for_step(self.config.cpu_threads, tokens, self.default_threads))
+                step_tokens = bucket[0] if bucket is not None else sum(n for _, n in batch.entries)
+                self.threads.enter(threads_for_step(self.config.cpu_threads, step_tokens, self.default_threads))
             sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
         except BaseException:
             # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
