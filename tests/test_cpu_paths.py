@@ -125,7 +125,7 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
 
 # ------------------------------------------------------------------------ the C++ paged decode kernel
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64), (6, 2, 24)])
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("block_size", [8, 32])  # 32: a block is taken 16 keys at a time
 def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window, block_size):
