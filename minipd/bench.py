@@ -192,6 +192,15 @@ def interleaved(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
     return values
 
 
+def _compiled_or_why(label: str, llm_class, model: str, **options):
+    """An LLM with ``compile_decode=True``, or None after saying why this model cannot have one (MoE, MLA)."""
+    try:
+        return llm_class(model, compile_decode=True, **options)
+    except ValueError as err:
+        print(f"  {label}: not run ({err})")
+        return None
+
+
 def _spread(values: list[float], scale: float, unit: str) -> str:
     return f"min {min(values) * scale:8.2f} {unit}  median {statistics.median(values) * scale:8.2f} {unit}"
 
@@ -286,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         from minipd.engine.compiled_decode import bucket_sizes
 
         sizes = tuple(bucket_sizes(min(len(w.prompts), llm.engine.core.config.max_num_seqs)))
-        compiled_llm = LLM(args.model, compile_decode=True, compile_warmup=True, compile_batch_sizes=sizes)
-        systems["minipd, compile_decode"] = lambda: run_minipd(compiled_llm, w)
+        compiled_llm = _compiled_or_why("minipd, compile_decode", LLM, args.model, compile_warmup=True,
+                                        compile_batch_sizes=sizes)
+        if compiled_llm is not None:
+            systems["minipd, compile_decode"] = lambda: run_minipd(compiled_llm, w)
         systems["HF generate (padded)"] = lambda: run_hf_padded(hf, w, pad)
         if not args.no_hf_continuous:
             if hf_continuous_batching_available(hf):
@@ -295,35 +306,36 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print("  HF continuous batching: not in this transformers version, not run")
         seconds = interleaved({name: lambda run=run: run().seconds for name, run in systems.items()}, args.rounds)
-        best = {name: statistics.median(v) for name, v in seconds.items()}
+        median = {name: statistics.median(v) for name, v in seconds.items()}
         for name, v in seconds.items():
-            share = f"  {useful / best[name] / floor.fp32_peak:6.1%} of the fp32 GEMM peak" if floor else ""
-            print(f"  {name:<32} {_spread(v, 1, 's')}  {w.output_tokens / best[name]:9.1f} output tok/s  "
-                  f"{useful / best[name] / 1e9:7.1f} useful GFLOP/s{share}")
+            share = f"  {useful / median[name] / floor.fp32_peak:6.1%} of the fp32 GEMM peak" if floor else ""
+            print(f"  {name:<32} {_spread(v, 1, 's')}  {w.output_tokens / median[name]:9.1f} output tok/s  "
+                  f"{useful / median[name] / 1e9:7.1f} useful GFLOP/s{share}")
         for name in list(seconds)[1:]:
-            label, ratio = f"throughput minipd / {name} (medians)", best[name] / best["minipd"]
+            label, ratio = f"throughput minipd / {name} (medians)", median[name] / median["minipd"]
             if name.startswith("minipd"):  # another configuration of the same engine: a comparison, no target
                 print(f"  {label:<52} {ratio:7.2f}x")
             else:
                 print(_line(label, ratio, 4.0 if "padded" in name else 3.0, "higher"))
         if floor is not None:
-            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / best["minipd"] / floor.fp32_peak, 0.4,
+            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / median["minipd"] / floor.fp32_peak, 0.4,
                         "higher"))
 
     if "single" in workloads:
         new = max(8, round(256 * s))
         prompt = make_workload(1, (32, 32), (new, new), vocab, seed=1).prompts[0]
         print(f"\n[single] one stream, {new} new tokens, {args.rounds} interleaved rounds")
-        compiled = LLM(args.model, compile_decode=True, compile_batch_sizes=(1,))
-        runs: dict[str, Callable[[], float]] = {
-            "minipd": lambda: minipd_tpot(llm, prompt, new),
-            "minipd, compile_decode": lambda: minipd_tpot(compiled, prompt, new),
-        }
+        runs: dict[str, Callable[[], float]] = {"minipd": lambda: minipd_tpot(llm, prompt, new)}
+        compiled = _compiled_or_why("minipd, compile_decode", LLM, args.model, compile_batch_sizes=(1,))
+        if compiled is not None:
+            runs["minipd, compile_decode"] = lambda: minipd_tpot(compiled, prompt, new)
         if llm.device.type == "cpu":  # weight-only int8: a quarter of the weight bytes, bf16 products
             int8 = LLM(args.model, weight_dtype="int8")
-            int8_compiled = LLM(args.model, weight_dtype="int8", compile_decode=True, compile_batch_sizes=(1,))
             runs["minipd, int8 weights"] = lambda: minipd_tpot(int8, prompt, new)
-            runs["minipd, int8 weights, compile_decode"] = lambda: minipd_tpot(int8_compiled, prompt, new)
+            int8_compiled = _compiled_or_why("minipd, int8 weights, compile_decode", LLM, args.model,
+                                             weight_dtype="int8", compile_batch_sizes=(1,))
+            if int8_compiled is not None:
+                runs["minipd, int8 weights, compile_decode"] = lambda: minipd_tpot(int8_compiled, prompt, new)
         runs["HF generate"] = lambda: hf_tpot(hf, prompt, new, pad)
         runs["HF static cache + torch.compile"] = lambda: hf_tpot(hf, prompt, new, pad, compiled=True)
         for run in tqdm(list(runs.values()), desc="warm-up (compiles)", leave=False):
@@ -334,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         mid = {name: statistics.median(v) for name, v in tpot.items()}
         hf_plain, hf_static = mid["HF generate"], mid["HF static cache + torch.compile"]
         print(_line("TPOT minipd / HF generate", mid["minipd"] / hf_plain, 0.5, "lower"))
-        print(_line("TPOT minipd compile_decode / HF generate", mid["minipd, compile_decode"] / hf_plain, 0.5,
-                    "lower"))
-        print(_line("TPOT minipd compile_decode / HF static + compile", mid["minipd, compile_decode"] / hf_static,
-                    0.6, "lower"))
+        if "minipd, compile_decode" in mid:
+            print(_line("TPOT minipd compile_decode / HF generate", mid["minipd, compile_decode"] / hf_plain, 0.5,
+                        "lower"))
+            print(_line("TPOT minipd compile_decode / HF static + compile",
+                        mid["minipd, compile_decode"] / hf_static, 0.6, "lower"))
         if "minipd, int8 weights" in mid:
             print(_line("TPOT minipd int8 weights / HF generate", mid["minipd, int8 weights"] / hf_plain, 0.35,
                         "lower"))
+        if "minipd, int8 weights, compile_decode" in mid:
             print(_line("TPOT minipd int8 weights compile_decode / HF generate",
                         mid["minipd, int8 weights, compile_decode"] / hf_plain, 0.35, "lower"))
             print("  (int8 weights' quality cost: python -m minipd kvquality --methods weights-int8)")

@@ -94,3 +94,11 @@ def test_the_random_50m_model_has_the_size_it_says(tmp_path):
 
     with pytest.raises(ValueError, match="unknown random model"):
         random_model_config("random-7b")
+
+
+def test_the_bench_says_why_a_model_gets_no_compiled_decode(capsys):
+    from minipd import LLM
+    from minipd.bench import _compiled_or_why
+
+    assert _compiled_or_why("minipd, compile_decode", LLM, "tiny-py-moe", compile_batch_sizes=(1,)) is None
+    assert "minipd, compile_decode: not run (compile_decode covers dense attention models" in capsys.readouterr().out
