@@ -14,7 +14,8 @@ shape means:
 - the graph does not write the KV pool. Writing into a slice of one big pool tensor inside a compiled
   graph makes the functionalised program copy the whole pool on every call, so the graph *returns*
   each layer's new K and V, attention reads the new token's K/V from those instead of the pool
-  (:func:`decode_attention_with_new`), and one ``index_copy_`` after the graph stores all layers.
+  (:func:`~minipd.kernels.paged_attention.decode_attention_with_new`), and one ``index_copy_`` after
+  the graph stores all layers.
 
 Each bucket is compiled on its first use (a few seconds to tens of seconds on a laptop CPU) or all at
 start-up with ``compile_warmup=True``. On a CPU the weights are frozen into the program as constants:
@@ -29,39 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from minipd.kernels.backend import TORCH_BACKEND
+from minipd.kernels.paged_attention import decode_attention_with_new
 from minipd.kv.paged_pool import PagedKVPool
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
-
-
-def decode_attention_with_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                              scale: float, window: int) -> torch.Tensor:
-    """One query per sequence over its paged context, whose last position is ``k_new``/``v_new`` (B, KVH, D),
-    not the pool (the pool's slot for it need not be written yet). Static shapes, no host reads.
-
-    ``block_tables`` (B, W) spans ``W * block_size`` positions; positions at or past ``context_lens`` are
-    masked, so padding columns may name any valid block. ``window`` <= 0 means no sliding window.
-    """
-    batch, _, dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    span = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].view(batch, span, kv_heads, dim)
-    v = v_cache[block_tables].view(batch, span, kv_heads, dim)
-    pos = torch.arange(span, device=q.device)[None, :]
-    last = (context_lens.to(torch.int64) - 1)[:, None]
-    is_new = (pos == last)[:, :, None, None]
-    k = torch.where(is_new, k_new[:, None].to(k.dtype), k).to(q.dtype)
-    v = torch.where(is_new, v_new[:, None].to(v.dtype), v).to(q.dtype)
-    mask = pos <= last
-    if window > 0:
-        mask = mask & (pos > last - window)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    return out.squeeze(2)
 
 
 def cpu_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
@@ -212,15 +186,13 @@ class CompiledDecode:
         """
         batch, width = block_tables.shape
         ids, pos, tables, lens = self._inputs(bucket)
+        for t in (ids, pos, tables):
+            t.zero_()
+        lens.fill_(1)
         ids[:batch].copy_(input_ids)
         pos[:batch].copy_(positions)
         tables[:batch, :width].copy_(block_tables)
         lens[:batch].copy_(context_lens)
-        tables[:batch, width:].zero_()
-        ids[batch:].zero_()
-        pos[batch:].zero_()
-        tables[batch:].zero_()
-        lens[batch:].fill_(1)
         logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)

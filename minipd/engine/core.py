@@ -142,12 +142,11 @@ class EngineCore:
             decode_attention_with_new,
         )
 
+        # (Quantized and adaptive caches are refused by EngineConfig, from kv_cache_dtype alone.)
         if self.moe_layers or self.model.config.is_mla:
             raise ValueError("compile_decode covers dense attention models; this model has "
                              f"{'mixture-of-experts layers' if self.moe_layers else 'multi-head latent attention'}: "
                              "pass compile_decode=False")
-        if self.compressed_spec is not None or self.kv_spec.is_quantized or self.kv_spec.has_residual_window:
-            raise ValueError("compile_decode reads an unquantized, single-format cache: pass compile_decode=False")
         kernel = self.kernels.name == "cpu"  # reads up to each length: no need to bucket the table's width
         attend = cpu_decode_attention if kernel else decode_attention_with_new
         sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)

@@ -69,18 +69,38 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 DECODE_GROUPS = 4
 
 
+def decode_attention_with_new(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: float, window: int) -> torch.Tensor:
+    """One query per sequence over its paged context, whose last position is ``k_new``/``v_new`` (B, KVH, D),
+    not the pool (the pool's slot for it need not be written yet). Static shapes, no host reads: what a
+    compiled decode step (:mod:`minipd.engine.compiled_decode`) runs.
+
+    ``block_tables`` (B, W) spans ``W * block_size`` positions; positions at or past ``context_lens`` are
+    masked, so padding columns may name any valid block. ``window`` <= 0 means no sliding window.
+    """
+    return _padded_decode(q, k_cache, v_cache, block_tables, context_lens, block_tables.shape[1] * k_cache.shape[1],
+                          scale, None if window <= 0 else window, k_new, v_new)
+
+
 def _padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, longest: int, scale: float,
-                   sliding_window: int | None) -> torch.Tensor:
+                   context_lens: torch.Tensor, longest: int, scale: float, sliding_window: int | None,
+                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
     batch, _, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = -(-longest // block_size)
     span = blocks * block_size
     tables = block_tables[:, :blocks]
-    k = _as_queries(k_cache[tables].view(batch, span, kv_heads, dim), q).transpose(1, 2)
-    v = _as_queries(v_cache[tables].view(batch, span, kv_heads, dim), q).transpose(1, 2)
+    k = k_cache[tables].view(batch, span, kv_heads, dim)
+    v = v_cache[tables].view(batch, span, kv_heads, dim)
     pos = torch.arange(span, device=q.device)[None, :]
     lens = context_lens.to(q.device)[:, None]
+    if k_new is not None and v_new is not None:
+        # The last position from the new rows, rounded to the cache's dtype as a stored row would be.
+        is_new = (pos == lens - 1)[:, :, None, None]
+        k = torch.where(is_new, k_new[:, None].to(k.dtype), k)
+        v = torch.where(is_new, v_new[:, None].to(v.dtype), v)
+    k, v = _as_queries(k, q).transpose(1, 2), _as_queries(v, q).transpose(1, 2)
     mask = pos < lens
     if sliding_window is not None:
         mask &= pos >= lens - sliding_window
