@@ -29,7 +29,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -282,6 +282,22 @@ def engine_failure(name: str, err: Exception, where: str) -> CheckResult:
     return CheckResult("FAIL", name, f"{where}: raised {describe_exception(err)}")
 
 
+T = TypeVar("T")
+
+
+def run_plugged(name: str, where: str, plugged: contextlib.AbstractContextManager,
+                run: Callable[[], T]) -> tuple[T | None, CheckResult | None]:
+    """``run()`` with the reader's code plugged in by ``plugged``: ``(its result, None)``, or ``(None, the
+    TODO)`` for an untouched stub, or ``(None, the FAIL)`` when the reader's code broke inside the engine."""
+    try:
+        with plugged:
+            return run(), None
+    except NotImplementedError:
+        return None, todo(name)
+    except Exception as err:  # the reader's function broke inside the engine
+        return None, engine_failure(name, err, where)
+
+
 def _prompt_ids(llm: LLM, prompt: str) -> torch.Tensor:
     return torch.tensor(llm.tokenizer.hf(prompt)["input_ids"])
 
@@ -531,13 +547,10 @@ def _check_top_p_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     expected = _sampled_tokens(llm)
     where = (f"plugged into {MODEL}'s sampler (temperature {TOP_P_SAMPLING['temperature']}, top_p "
              f"{TOP_P_SAMPLING['top_p']}, seeded; your filter on every sampled row)")
-    try:
-        with swapped(sampler_module, "top_k_top_p_filter", _reader_filter(fn)):
-            actual = _sampled_tokens(llm)
-    except NotImplementedError:
-        return todo(name)
-    except Exception as err:  # the reader's function broke inside the sampler
-        return engine_failure(name, err, where)
+    actual, failure = run_plugged(name, where, swapped(sampler_module, "top_k_top_p_filter", _reader_filter(fn)),
+                                  lambda: _sampled_tokens(llm))
+    if failure is not None:
+        return failure
     return compare_token_runs(name, actual, expected, where, kind="sampled") or CheckResult("PASS", name, max_diff=0.0)
 
 

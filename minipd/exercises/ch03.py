@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from minipd.exercises.ch01 import MODEL, ReaderError, compare_token_runs, engine_failure, engine_llm, greedy_tokens
+from minipd.exercises.ch01 import MODEL, ReaderError, compare_token_runs, engine_llm, greedy_tokens, run_plugged
 from minipd.exercises.checking import (
     Case,
     CheckResult,
@@ -38,7 +38,6 @@ from minipd.exercises.checking import (
     compare_tensors,
     report,
     shadowed,
-    todo,
 )
 from minipd.kv.block_manager import BlockAllocation, BlockManager, chain_hash
 from minipd.llm import LLM
@@ -298,13 +297,9 @@ def _check_slots_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     expected = greedy_tokens(llm)
     log: dict[str, Any] = {}
     where = f"plugged into {MODEL}'s model runner (blocks of {ENGINE_BLOCK_SIZE}, your slots for every new token)"
-    try:
-        with reader_slot_mapping(llm, fn, log):
-            actual = greedy_tokens(llm)
-    except NotImplementedError:
-        return todo(name)
-    except Exception as err:  # the reader's function broke inside the engine
-        return engine_failure(name, err, where)
+    actual, failure = run_plugged(name, where, reader_slot_mapping(llm, fn, log), lambda: greedy_tokens(llm))
+    if failure is not None:
+        return failure
     if log["first"] is not None:
         return CheckResult("FAIL", name, f"{where}: first wrong slot at {log['first']}", max_diff=log["worst"],
                            first_mismatch=log["first_index"])
@@ -385,13 +380,9 @@ def _check_prefix_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     expected = _prefix_rounds(engine_llm(**options))
     llm = engine_llm(**options)
     where = f"plugged into {MODEL}'s block manager (blocks of {ENGINE_BLOCK_SIZE}, prefix caching on)"
-    try:
-        with reader_prefix_lookup(llm, fn):
-            actual = _prefix_rounds(llm)
-    except NotImplementedError:
-        return todo(name)
-    except Exception as err:  # the reader's function broke inside the engine
-        return engine_failure(name, err, where)
+    actual, failure = run_plugged(name, where, reader_prefix_lookup(llm, fn), lambda: _prefix_rounds(llm))
+    if failure is not None:
+        return failure
     for number, (got_round, want_round) in enumerate(zip(actual, expected, strict=True), start=1):
         for index, (got, want) in enumerate(zip(got_round, want_round, strict=True)):
             request = f"round {number}, request {index} ({len(want.prompt_token_ids)}-token prompt)"
@@ -529,13 +520,9 @@ def _check_eviction_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     llm = engine_llm(**EVICTION_POOL)
     where = (f"plugged into {MODEL}'s block manager ({EVICTION_POOL['num_kv_blocks']} blocks of {ENGINE_BLOCK_SIZE}, "
              "prefix caching on)")
-    try:
-        with reader_eviction(llm, fn):
-            actual = _eviction_phases(llm)
-    except NotImplementedError:
-        return todo(name)
-    except Exception as err:  # the reader's function broke inside the engine
-        return engine_failure(name, err, where)
+    actual, failure = run_plugged(name, where, reader_eviction(llm, fn), lambda: _eviction_phases(llm))
+    if failure is not None:
+        return failure
     for number, ((got_outs, got_evictions), (want_outs, want_evictions)) in enumerate(
             zip(actual, expected, strict=True), start=1):
         if got_evictions != want_evictions:
