@@ -62,9 +62,13 @@ def _build_kernels(_: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from minipd.pd.worker import run_launched_worker
 
-    return run_launched_worker(args.connect, args.role, args.host, args.num_prefill_workers, args.join_timeout)
+    secret = Path(args.secret_file) if args.secret_file else None
+    return run_launched_worker(args.connect, args.role, args.host, args.num_prefill_workers, args.join_timeout,
+                               secret)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -121,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="under torchrun without --role: ranks below this prefill (default 1)")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the front end (default 300)")
+    worker.add_argument("--secret-file", default=None,
+                        help="file holding the cluster secret every message is signed with (default: "
+                             "$MINIPD_CLUSTER_SECRET, else $MINIPD_CLUSTER_SECRET_FILE, else "
+                             "~/.config/minipd/cluster-secret)")
     worker.set_defaults(func=_worker)
     bench = sub.add_parser("bench", help="minipd against HF transformers (see `python -m minipd bench -h`)",
                            add_help=False)

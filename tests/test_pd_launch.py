@@ -18,12 +18,22 @@ from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.pd.transport import nixl_available
 from minipd.pd.worker import free_port
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+@pytest.fixture(autouse=True)
+def own_secret(tmp_path, monkeypatch):
+    """Each test's front end and workers share a cluster secret of their own (made on first use), not the user's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("MINIPD_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("MINIPD_CLUSTER_SECRET_FILE", raising=False)
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def launch(roles: list[str], address: str, *extra: str) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "minipd", "worker", "--role", role, "--connect", address,
-                              "--join-timeout", "120", *extra], env=ENV) for role in roles]
+                              "--join-timeout", "120", *extra], env=env()) for role in roles]
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -64,6 +74,36 @@ def test_launched_workers_join_serve_and_survive_a_kill(kv_transport):
         stop(workers)
 
 
+def test_a_stopped_launched_worker_is_fenced_and_sent_home_when_it_wakes_up():
+    if nixl_available() is not None:
+        pytest.skip(f"needs NIXL: {nixl_available()}")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    workers = launch(["prefill", "decode", "decode"], address)
+    try:
+        prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 3
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        expected = [o.token_ids for o in LLM("tiny-py").generate(prompts, params, use_tqdm=False)]
+        with DisaggregatedLLM("tiny-py", num_decode_workers=2, listen=address, heartbeat_timeout=2, kv_lease_s=5,
+                              start_timeout=120) as pd:
+            stopped = pd.worker_pids()["decode"][0]
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                outputs = pd.generate(prompts, params)
+                assert time.monotonic() - start < 30
+                assert [o.token_ids for o in outputs] == expected
+                assert stopped not in pd.worker_pids()["decode"]
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+            # Awake again, it hears it was let go and leaves; whatever it sent meanwhile was ignored.
+            (woken,) = [w for w in workers if w.pid == stopped]
+            assert woken.wait(timeout=30) == 0
+            assert [o.token_ids for o in pd.generate(prompts, params)] == expected
+            assert stopped not in pd.worker_pids()["decode"]
+    finally:
+        stop(workers)
+
+
 def test_a_worker_too_many_is_sent_home_and_a_missing_one_times_out():
     address = f"tcp://127.0.0.1:{free_port()}"
     workers = launch(["prefill", "prefill"], address)
@@ -78,9 +118,9 @@ def test_a_worker_too_many_is_sent_home_and_a_missing_one_times_out():
 
 def test_the_worker_command_refuses_bad_input_clearly():
     run = [sys.executable, "-m", "minipd", "worker"]
-    bad = subprocess.run([*run, "--connect", "tcp://127.0.0.1:9", "--role", "router"], env=ENV,
+    bad = subprocess.run([*run, "--connect", "tcp://127.0.0.1:9", "--role", "router"], env=env(),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--role" in bad.stderr and "prefill" in bad.stderr
     lonely = subprocess.run([*run, "--connect", f"tcp://127.0.0.1:{free_port()}", "--role", "decode",
-                             "--join-timeout", "1"], env=ENV, capture_output=True, text=True, timeout=60)
+                             "--join-timeout", "1"], env=env(), capture_output=True, text=True, timeout=60)
     assert lonely.returncode == 2 and "no front end answered" in lonely.stderr

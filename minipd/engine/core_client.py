@@ -7,16 +7,17 @@ worker and an expert-parallel rank use: the model runs in its own loop, requests
 
 - :meth:`CoreClient.in_thread` runs the loop in a background thread over ``queue.Queue``.
 - :meth:`CoreClient.in_process` spawns a process that loads the model and builds its own core;
-  messages are pickled over ZeroMQ push/pull sockets on local IPC paths. If the process dies, the
-  client says so (:class:`EngineDeadError`) instead of waiting forever.
+  messages travel over ZeroMQ push/pull sockets on local IPC paths in a private folder, typed and
+  signed with a fresh key (:mod:`minipd.wire`: nothing received is unpickled). If the process dies,
+  the client says so (:class:`EngineDeadError`) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import tempfile
 import threading
@@ -28,6 +29,9 @@ from typing import Any
 from minipd.engine.core import EngineCore
 from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.kv.paged_pool import PackedKV
+from minipd.wire import Codec, WireError, new_key, send_nowait
+
+logger = logging.getLogger("minipd")
 
 
 class EngineDeadError(RuntimeError):
@@ -61,6 +65,9 @@ STALLED_WAIT = 0.01
 
 def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
     """Apply one message to ``core``; return False on shutdown. Errors go back as :class:`CoreError`."""
+    if not (isinstance(message, tuple) and message and isinstance(message[0], str)):
+        send(CoreError(None, f"ignored a message that is not a command: {message!r:.200}"))
+        return True
     kind = message[0]
     try:
         if kind == "add":
@@ -168,11 +175,12 @@ class CoreClient:
         push.bind(to_core)
         pull = context.socket(zmq.PULL)
         pull.bind(from_core)
+        codec = Codec(new_key())
         process = mp.get_context("spawn").Process(target=_serve_in_process, args=(str(model), llm_options, to_core,
-                                                                                   from_core), daemon=True)
+                                                                                   from_core, codec.key), daemon=True)
         process.start()
 
-        send, receive = _pickled(push, pull, process.is_alive)
+        send, receive = _channel(push, pull, process.is_alive, codec)
 
         def stop() -> None:
             process.join(timeout=10)
@@ -281,34 +289,32 @@ class CoreClient:
         self.shutdown()
 
 
-def _pickled(push: Any, pull: Any, peer_alive: Any) -> tuple[Any, Any]:
+def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, Any]:
     """``send(message)`` and ``receive(timeout) -> message | None`` over a ZeroMQ push/pull pair.
 
-    A push socket with no peer blocks a send for ever, so sends do not block: while the peer is
-    alive they are retried; once it is gone they raise :class:`EngineDeadError`.
+    Sends do not block for ever (see :func:`minipd.wire.send_nowait`): once the peer is gone they raise
+    :class:`EngineDeadError`. A message received that is not signed with ``codec``'s key, or not well
+    formed, is logged and dropped.
     """
-    import zmq
 
     def send(message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        while True:
-            try:
-                push.send(data, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if not peer_alive():
-                    raise EngineDeadError("the other end of the engine core's queue is gone") from None
-                time.sleep(0.001)
+        send_nowait(push, codec.encode(message), peer_alive, EngineDeadError,
+                    "the other end of the engine core's queue")
 
     def receive(timeout: float | None) -> Any:
-        if pull.poll(None if timeout is None else int(timeout * 1000)):
-            return pickle.loads(pull.recv())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pull.poll(None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))):
+            data = pull.recv()
+            try:
+                return codec.decode(data)
+            except WireError as err:
+                logger.warning("engine core channel: dropped a message of %d bytes: %s", len(data), err)
         return None
 
     return send, receive
 
 
-def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: str) -> None:
+def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: str, key: bytes) -> None:
     """Entry point of the spawned core process: load the model, build the core, serve until shutdown."""
     import zmq
 
@@ -323,7 +329,7 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
     def parent_alive() -> bool:
         return os.getppid() == parent  # re-parented (to init) once the parent is gone
 
-    send, wait_for = _pickled(push, pull, parent_alive)
+    send, wait_for = _channel(push, pull, parent_alive, Codec(key))
 
     def receive(timeout: float | None) -> Any:
         # Never wait blind: a parent killed without a goodbye must not leave this process (and its GPU) behind.

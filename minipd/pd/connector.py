@@ -290,9 +290,12 @@ class KVConnectorScheduler:
         return ready, unneeded
 
     def cancel(self, request_id: str) -> None:
-        """The request was aborted: forget its pending load and any blocks it held for a reader."""
+        """The request was aborted: forget its pending load, any blocks it held for a reader, and a
+        reservation it was to continue in (freed once writes into it that may be under way are over)."""
         self.pending_loads.pop(request_id, None)
         self.held_since.pop(request_id, None)
+        if self.adopt.pop(request_id, None) is not None or request_id in self.reserved_at:
+            self.release_reservation(request_id, writes_started=True)
 
     # --------------------------------------------------------------------- decode side: push modes
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:

@@ -19,7 +19,15 @@ The front end (this process) tokenises, routes and detokenises; the workers
 If a worker dies, the front end notices within a poll and sends its unfinished requests elsewhere,
 recomputed from the prompt and the tokens already produced (seeded sampling depends only on the
 seed and the token index, so the continuation is the same); with no decode worker left, a prefill
-worker decodes. A transfer that never completes is bounded by ``kv_lease_s`` on both sides.
+worker decodes, and with no prefill worker left a decode worker prefills. A worker that stops
+answering (stopped, wedged) is treated the same way once it has been silent for
+``heartbeat_timeout``, and fenced: a worker this front end started is killed, a launched one is
+told to leave and nothing it says is heard again. A worker whose engine fails (an expert-parallel
+rank died under it, say) reports it and exits, and is recovered from like any other death.
+A transfer that never completes is bounded by ``kv_lease_s`` on both sides.
+
+Messages between the front end and the workers are typed and signed (:mod:`minipd.wire`); nothing
+received is unpickled, and every socket is on 127.0.0.1 unless ``listen`` names another address.
 """
 
 from __future__ import annotations
@@ -27,14 +35,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import random
 import shutil
+import signal
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +57,12 @@ from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
 from minipd.kv.quant import PER_TOKEN_FORMATS
 from minipd.models.registry import resolve_model
-from minipd.outputs import KVTimeline, RequestOutput, StreamDelta
+from minipd.outputs import KVTimeline, RequestOutput, RequestStream, StreamDelta
 from minipd.pd.transport import TRANSPORTS, nixl_available
 from minipd.pd.worker import free_port, run_worker
-from minipd.sampling_params import SamplingParams
+from minipd.sampling_params import SamplingParams, check_seed
 from minipd.tokenizer import Tokenizer
+from minipd.wire import Codec, WireError, cluster_secret, new_key, send_nowait
 
 KV_TRANSFERS = ("pull", "push", "layerwise")
 logger = logging.getLogger("minipd")
@@ -74,16 +85,18 @@ class _Worker:
     num_blocks: int = 0
     peer: dict | None = None
     requests: set[str] = field(default_factory=set)
-    #: Launched workers (no process of ours): when the front end last heard from it, and how long a
-    #: silence means it is dead.
+    #: When the front end last heard from it, and how long a silence means it is dead (0: not judged
+    #: yet, while it loads).
     last_seen: float = 0.0
     silence_limit: float = 0.0
+    #: Declared dead: nothing it says is heard any more, and it is never routed to again.
+    fenced: bool = False
 
     @property
     def alive(self) -> bool:
-        if self.process is None:
-            return time.monotonic() - self.last_seen < self.silence_limit
-        return self.process.is_alive()
+        if self.fenced or (self.process is not None and not self.process.is_alive()):
+            return False
+        return not self.silence_limit or time.monotonic() - self.last_seen < self.silence_limit
 
 
 @dataclass
@@ -128,12 +141,18 @@ class DisaggregatedLLM:
         threads_per_worker: torch threads in each worker (default 1: workers share the machine's cores).
         seed: seeds the draw of seeds for requests that give none.
         start_timeout: seconds to wait for the workers to load the model (and, with ``listen``, to join).
-        listen: start no processes; instead bind this ZeroMQ address (``"tcp://0.0.0.0:5557"``) and wait
-            for workers launched by hand or by ``torchrun``, on this machine or others, with
-            ``python -m minipd worker --role prefill --connect tcp://FRONT-END-HOST:5557``. The model
-            argument is sent to them as given, so it must name the same model on their machines.
-        heartbeat_timeout: with ``listen``, a worker silent this long is taken for dead (it reports at
-            least every second while idle; a longer step than this looks like a death).
+        listen: start no processes; instead bind this ZeroMQ address (``"tcp://127.0.0.1:5557"``, or an
+            address of another interface for workers on other machines) and wait for workers launched by
+            hand or by ``torchrun`` with ``python -m minipd worker --role prefill --connect
+            tcp://FRONT-END-HOST:5557``. The model argument is sent to them as given, so it must name the
+            same model on their machines. Every message is signed with the cluster secret (``secret``).
+        secret: with ``listen``, the key every message is signed with: the secret itself (at least 16
+            bytes) or a path to a file holding it; by default ``MINIPD_CLUSTER_SECRET``, else the file
+            ``MINIPD_CLUSTER_SECRET_FILE``, else ``~/.config/minipd/cluster-secret`` (created, readable
+            by this user only, when missing). Workers on other machines need the same secret. Spawned
+            workers get a fresh random key instead.
+        heartbeat_timeout: a worker silent this long is taken for dead and fenced (it reports at least
+            every second while idle; a step longer than this looks like a death).
         **llm_options: passed to each worker's ``LLM`` (``max_model_len``, ``device``, engine options).
     """
 
@@ -141,14 +160,22 @@ class DisaggregatedLLM:
                  num_decode_workers: int = 1, kv_transfer: str = "layerwise", kv_transport: str | None = None,
                  kv_transfer_dtype: str | None = None, kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
-                 listen: str | None = None, heartbeat_timeout: float = 10.0, **llm_options: Any) -> None:
+                 listen: str | None = None, heartbeat_timeout: float = 10.0,
+                 secret: str | bytes | os.PathLike | None = None, **llm_options: Any) -> None:
+        self._closed = True  # until the workers are up: shutdown() and __del__ have nothing to do
         for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
-                                   ("num_decode_workers", num_decode_workers, 0)):
+                                   ("num_decode_workers", num_decode_workers, 0),
+                                   ("threads_per_worker", 1 if threads_per_worker is None else threads_per_worker, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(kv_lease_s, (int, float)) or not kv_lease_s > 0:
-            raise ValueError(f"kv_lease_s must be a positive number of seconds, got {kv_lease_s!r}")
+                raise ValueError(f"{name} must be an integer >= {least}"
+                                 f"{' (or None)' if name == 'threads_per_worker' else ''}, got {value!r}")
+        for name, value, least in (("kv_lease_s", kv_lease_s, 0), ("start_timeout", start_timeout, 0),
+                                   ("heartbeat_timeout", heartbeat_timeout, 1)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > least:
+                raise ValueError(f"{name} must be a number of seconds > {least}, got {value!r}")
+        seed = check_seed("seed", seed)
         self._lease_s = float(kv_lease_s)
+        self._heartbeat_timeout = float(heartbeat_timeout)
         if kv_transport is None:
             kv_transport = "nixl" if nixl_available() is None else "torch"
         if kv_transport not in TRANSPORTS:
@@ -190,7 +217,6 @@ class DisaggregatedLLM:
         self._next_id = 0
         self._flights: dict[str, _Flight] = {}
         self._workers: dict[str, _Worker] = {}
-        self._closed = False
         #: Requests sent to another worker because theirs died or a K/V read failed.
         self.num_recovered_requests = 0
         #: Requests held back before prefill, at least once, because no decode worker had room for them
@@ -198,15 +224,19 @@ class DisaggregatedLLM:
         self.num_backpressured = 0
         self._backlog: list[_Flight] = []
         self._deltas: list[StreamDelta] = []  # produced by the pump since the last step()
+        # At exit, shut down whatever is still running; through a weak reference, so that dropping the
+        # last reference to this object still shuts it down (__del__) instead of keeping it for ever.
+        self._at_exit = functools.partial(_shutdown_if_alive, weakref.ref(self))
+        atexit.register(self._at_exit)
+        self._closed = False
         if listen is not None:
-            if not isinstance(heartbeat_timeout, (int, float)) or not heartbeat_timeout > 1:
-                raise ValueError(f"heartbeat_timeout must be a number of seconds > 1, got {heartbeat_timeout!r}")
+            self._codec = Codec(cluster_secret(secret, create=True))
             self._join(str(model), listen, num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
-                       start_timeout, heartbeat_timeout, llm_options)
+                       start_timeout, llm_options)
         else:
+            self._codec = Codec(new_key())
             self._start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
                         start_timeout, llm_options)
-        atexit.register(self.shutdown)
 
     @property
     def kv_transfer(self) -> str:
@@ -243,7 +273,7 @@ class DisaggregatedLLM:
                                  "address": address, "wire_dtype": self.kv_transfer_dtype}
                     process = spawn.Process(target=run_worker, name=f"minipd-{name}", daemon=True,
                                             args=(role, index, model, llm_options, inbox, outbox, kv_lease_s,
-                                                  threads, transport))
+                                                  threads, transport, self._codec.key))
                     process.start()
                     self._workers[name] = _Worker(name, role, process, socket)
             self._wait_ready(timeout)
@@ -253,7 +283,7 @@ class DisaggregatedLLM:
             raise
 
     def _join(self, model: str, listen: str, num_prefill: int, num_decode: int, kv_lease_s: float,
-              threads: int | None, timeout: float, silence_limit: float, llm_options: dict) -> None:
+              threads: int | None, timeout: float, llm_options: dict) -> None:
         """Wait for launched workers to say hello at ``listen``, then configure them (see ``listen``)."""
         import zmq
 
@@ -271,18 +301,20 @@ class DisaggregatedLLM:
                 message = self._receive(0.2)
                 if message is None or message.get("kind") != "hello":
                     continue
+                if not _well_formed_hello(message):
+                    logger.warning("ignored a malformed hello at %s: %.200r", listen, message)
+                    continue
                 socket = self._context.socket(zmq.PUSH)
                 socket.connect(message["inbox"])
                 joined = sum(h["role"] == message["role"] for h in hellos)
                 if joined >= wanted[message["role"]]:
-                    socket.send(pickle.dumps(("shutdown",)))  # one too many of its role: send it home
+                    socket.send(self._codec.encode(("shutdown",)))  # one too many of its role: send it home
                     socket.close(linger=1000)
                     continue
                 # Registered at once, so that shutdown sends it home whatever happens next.
                 message["name"] = f"{message['role']}{joined}"
                 self._workers[message["name"]] = _Worker(message["name"], message["role"], None, socket,
-                                                         pid=message["pid"], last_seen=time.monotonic(),
-                                                         silence_limit=silence_limit)
+                                                         pid=message["pid"], last_seen=time.monotonic())
                 hellos.append(message)
             ranks = [h["torchrun"] for h in hellos]
             if all(ranks):  # torchrun numbered them and set up the rendezvous
@@ -327,6 +359,8 @@ class DisaggregatedLLM:
                 worker = self._workers[message["worker"]]
                 worker.pid, worker.peer = message["pid"], message["peer"]
                 worker.free_blocks = worker.num_blocks = message["num_kv_blocks"]
+                # From now on its silence is judged (loading the model may take any time).
+                worker.last_seen, worker.silence_limit = time.monotonic(), self._heartbeat_timeout
                 waiting.discard(worker.name)
 
     def worker_pids(self) -> dict[str, list[int]]:
@@ -346,6 +380,8 @@ class DisaggregatedLLM:
             if worker.process is None or worker.alive:
                 with contextlib.suppress(Exception):
                     self._send(worker, ("shutdown",))
+            if worker.process is not None and worker.fenced:
+                worker.process.kill()  # (already killed when fenced; a stopped one may not have died yet)
         deadline = time.monotonic() + 10
         for worker in self._workers.values():
             if worker.process is None:  # launched by hand: not ours to kill; the message must get out
@@ -362,7 +398,7 @@ class DisaggregatedLLM:
         if hasattr(self, "_folder"):
             shutil.rmtree(self._folder, ignore_errors=True)
         with contextlib.suppress(Exception):
-            atexit.unregister(self.shutdown)
+            atexit.unregister(self._at_exit)
 
     def __enter__(self) -> DisaggregatedLLM:
         return self
@@ -378,24 +414,31 @@ class DisaggregatedLLM:
         return [w for w in self._workers.values() if w.role == role and w.alive]
 
     def _send(self, worker: _Worker, message: tuple) -> None:
-        import zmq
-
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        while True:
-            try:
-                worker.socket.send(data, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if not worker.alive:
-                    raise WorkerError(f"worker {worker.name} is gone") from None
-                time.sleep(0.001)
+        send_nowait(worker.socket, self._codec.encode(message), lambda: worker.alive, WorkerError,
+                    f"worker {worker.name}")
 
     def _receive(self, timeout: float) -> dict | None:
-        if self._pull.poll(int(timeout * 1000)):
-            message = pickle.loads(self._pull.recv())
-            worker = self._workers.get(message.get("worker", ""))
-            if worker is not None:
-                worker.last_seen = time.monotonic()
+        """The next message from a worker (waiting up to ``timeout`` for one); None when none came.
+
+        A message that is not signed with this cluster's key, not well formed, or from a worker that is
+        unknown or fenced is logged and dropped: it is never acted on."""
+        deadline = time.monotonic() + timeout
+        while self._pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            data = self._pull.recv()
+            try:
+                message = self._codec.decode(data)
+            except WireError as err:
+                logger.warning("dropped a message of %d bytes: %s", len(data), err)
+                continue
+            if not (isinstance(message, dict) and isinstance(message.get("kind"), str)):
+                logger.warning("dropped a message that is not a worker's report: %.200r", message)
+                continue
+            if message["kind"] == "hello":
+                return message
+            worker = self._workers.get(message.get("worker"))  # type: ignore[arg-type]
+            if worker is None or worker.fenced:
+                continue  # a worker declared dead: whatever it says now is too late
+            worker.last_seen = time.monotonic()
             return message
         return None
 
@@ -419,6 +462,8 @@ class DisaggregatedLLM:
                         f"prompts[{index}]", "the workers' pools have")
 
     def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
+        if self._closed:
+            raise RuntimeError("this DisaggregatedLLM is shut down")
         # Routing asks which workers are alive; launched ones are judged by heartbeats that may have
         # waited unread while nobody called us.
         self._pump(0.0)
@@ -553,12 +598,29 @@ class DisaggregatedLLM:
             self._on_message(message)
             message = self._receive(0.0)
         for worker in list(self._workers.values()):
-            if not worker.alive and worker.requests:
-                self._on_death(worker)
+            if not worker.fenced and not worker.alive:
+                self._fence(worker, "its process exited" if worker.process is not None
+                            and not worker.process.is_alive() else
+                            f"it was silent for more than {self._heartbeat_timeout:g} s")
         now = time.monotonic()
         for flight in [f for f in self._flights.values() if f.parked and now - f.parked[2] > self._lease_s]:
             self._unpark(flight)  # a report that never came must not hold the request back for ever
         self._admit_backlog()
+
+    def _fence(self, worker: _Worker, why: str) -> None:
+        """Declare ``worker`` dead: never hear or route to it again, stop it, recover its requests elsewhere."""
+        worker.fenced = True
+        logger.warning("worker %s is taken for dead (%s); its requests go elsewhere", worker.name, why)
+        if worker.process is not None:
+            # Ours to stop: a stopped or wedged process must not wake up and write K/V into blocks that
+            # were given to other requests meanwhile.
+            with contextlib.suppress(Exception):
+                os.kill(worker.process.pid, signal.SIGKILL)
+        else:
+            with contextlib.suppress(Exception):  # a launched worker: tell it to leave, should it come back
+                worker.socket.send(self._codec.encode(("shutdown",)), flags=_zmq_noblock())
+        if worker.requests:
+            self._on_death(worker)
 
     def _on_message(self, message: dict) -> None:
         kind = message["kind"]
@@ -615,9 +677,10 @@ class DisaggregatedLLM:
         elif kind == "error":
             request_id = message.get("request_id")
             flight = self._flights.pop(request_id, None) if request_id else None
-            if flight is None:
-                raise WorkerError(message["message"])
-            self._finish_with_error(flight, message["message"])
+            if flight is not None:
+                self._finish_with_error(flight, message["message"])
+            elif not request_id:  # the worker's engine failed and the worker exits: recover as from a death
+                self._fence(worker, f"it failed: {str(message['message']).splitlines()[0]}")
 
     def _on_output(self, worker: _Worker, out: EngineCoreOutput, timestamp: float, held: list[int] | None) -> None:
         flight = self._flights.get(out.request_id)
@@ -719,6 +782,40 @@ class DisaggregatedLLM:
         flight.state.stop_reason = message
 
     # ------------------------------------------------------------------------------------ API
+    def abort(self, request_id: str | Sequence[str]) -> list[str]:
+        """End requests now, wherever they are (held back, prefilling, with K/V in transfer, decoding).
+
+        Takes one id or a list of ids, as vLLM's ``abort``; unknown or finished ids are ignored.
+        Each aborted request ends with finish reason ``"abort"`` (a stream following it gets that
+        delta), and the worker holding it frees its blocks. Returns the ids that were aborted.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(i, str) for i in ids):
+            raise TypeError(f"request_id must be a string or a list of strings, got {request_id!r}")
+        aborted = []
+        for rid in ids:
+            flight = self._flights.pop(rid, None)
+            if flight is None:
+                continue
+            if flight in self._backlog:
+                self._backlog.remove(flight)
+            worker = self._workers.get(flight.worker)
+            if worker is not None:
+                worker.requests.discard(rid)
+                if worker.alive:
+                    self._send(worker, ("abort", [rid], FinishReason.ABORT))
+            dest = self._workers.get(flight.dest)
+            if dest is not None:
+                dest.requests.discard(rid)
+                if dest.alive and dest is not worker:
+                    # Writes into its reservation may be under way: it is freed once they are over.
+                    self._send(dest, ("release_reservation", rid, flight.phase != "reserving"))
+            flight.parked = None
+            self.processor.process(EngineCoreOutputs([EngineCoreOutput(rid, [], FinishReason.ABORT)],
+                                                     time.perf_counter()))
+            aborted.append(rid)
+        return aborted
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt across the workers; one :class:`RequestOutput` per prompt, in order."""
@@ -735,18 +832,28 @@ class DisaggregatedLLM:
             self._deltas.clear()  # nobody steps this call's requests but generate itself
         return [s.to_output() for s in states]
 
-    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield one :class:`StreamDelta` per generated token of ``prompt`` as it arrives from the workers."""
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """Send ``prompt`` now and return its :class:`RequestStream`: one :class:`StreamDelta` per token as it
+        arrives from the workers. Closing the stream (or dropping it) before its last delta aborts the
+        request on whichever worker holds it; ``stream.request_id`` can be passed to :meth:`abort`."""
         state = self._submit_one(prompt, sampling_params, "stream")
         outbox = self.processor.watch(state.request_id)
-        while True:
-            while outbox:
-                delta = outbox.popleft()
-                yield delta
-                if delta.finished:
-                    return
-            self._pump()
-            self._deltas.clear()
+
+        def follow() -> Iterator[StreamDelta]:
+            while True:
+                while outbox:
+                    delta = outbox.popleft()
+                    yield delta
+                    if delta.finished:
+                        return
+                self._pump()
+                self._deltas.clear()
+
+        def end() -> None:
+            if not state.finished and not self._closed:
+                self.abort(state.request_id)
+
+        return RequestStream(state.request_id, follow(), end)
 
     def add_request(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> str:
         """Check and send one prompt now; returns its id. Follow it with :meth:`step` (as ``Engine`` is followed)."""
@@ -794,6 +901,29 @@ class DisaggregatedLLM:
             else:
                 self._on_message(message)
         return stats
+
+
+def _shutdown_if_alive(ref: weakref.ref) -> None:
+    """At exit: shut down the front end ``ref`` points to, if it still exists."""
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()
+
+
+def _zmq_noblock() -> int:
+    import zmq
+
+    return zmq.NOBLOCK
+
+
+def _well_formed_hello(message: dict) -> bool:
+    """Whether a launched worker's hello has every field, of the right type (it came over TCP, signed)."""
+    torchrun = message.get("torchrun")
+    return (message.get("role") in ("prefill", "decode") and isinstance(message.get("inbox"), str)
+            and message["inbox"].startswith("tcp://") and isinstance(message.get("host"), str)
+            and isinstance(message.get("free_port"), int) and isinstance(message.get("pid"), int)
+            and (torchrun is None or (isinstance(torchrun, tuple) and len(torchrun) == 2
+                                      and all(isinstance(x, int) for x in torchrun))))
 
 
 __all__ = ["DisaggregatedLLM", "WorkerError"]

@@ -279,16 +279,20 @@ class TorchDistributedTransport:
     _READ, _WRITE = 0, 1
 
     def __init__(self, agent_name: str, pool: PagedKVPool, rank: int, world_size: int, address: str,
-                 max_blocks_per_request: int, wire_dtype: str | None = None) -> None:
+                 max_blocks_per_request: int, wire_dtype: str | None = None, host: str = "127.0.0.1") -> None:
         import datetime
         import threading
 
         import torch.distributed as dist
 
-        self.dist = dist
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=120))
+        # A process group of our own (not torch's global one), whose store and gloo connections listen
+        # on ``host`` only: 127.0.0.1 unless the workers were launched on several machines.
+        timeout = datetime.timedelta(seconds=120)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = timeout
+        self.store = rendezvous_store(address, rank, world_size, timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("minipd-kv", self.store), rank, world_size, options)
         self.agent_name, self.rank, self.pool = agent_name, rank, pool
         #: How blocks are put on the wire: as stored, or quantized for the wire only (``kv_transfer_dtype``).
         self.codec: RawBlocks | QuantizedWire = RawBlocks(pool) if wire_dtype is None else QuantizedWire(pool,
@@ -355,8 +359,8 @@ class TorchDistributedTransport:
         if remote_blocks:
             # The receive is posted before the header leaves, so the reply always has somewhere to land.
             handle["buffer"] = torch.empty(self.codec.size(self.num_layers, len(remote_blocks)), dtype=torch.uint8)
-            works.append(self.dist.irecv(handle["buffer"], src=src, tag=tag))
-        works.insert(0, self.dist.isend(header, dst=src))
+            works.append(self.group.recv([handle["buffer"]], src, tag))
+        works.insert(0, self.group.send([header], src, 0))
         self._wait_in_background(handle, works, "RECEIVED")
         return handle
 
@@ -377,8 +381,8 @@ class TorchDistributedTransport:
         packed = self.codec.pack(slice(first, first + count), index)
         handle: dict[str, Any] = {"state": "PROC", "blocks": [], "packed": packed}
         acknowledgement = torch.zeros(1, dtype=torch.int64)
-        works = [self.dist.irecv(acknowledgement, src=dst, tag=tag), self.dist.isend(header, dst=dst),
-                 self.dist.isend(packed, dst=dst, tag=tag)]
+        works = [self.group.recv([acknowledgement], dst, tag), self.group.send([header], dst, 0),
+                 self.group.send([packed], dst, tag)]
         self._wait_in_background(handle, works[1:] + works[:1], "DONE")
         return handle
 
@@ -401,7 +405,7 @@ class TorchDistributedTransport:
         while True:
             header = torch.zeros(self._header_size(), dtype=torch.int64)
             try:
-                self.dist.irecv(header).wait()  # from any rank
+                self.group.recv_anysource([header], 0).wait()
                 tag, peer, count, note_len, kind, first, layers = (int(x) for x in header[:self._FIELDS])
                 note = header[self._FIELDS:offset].numpy().tobytes()[:note_len]
                 index = header[offset:offset + count].clone()
@@ -409,15 +413,15 @@ class TorchDistributedTransport:
                     # The blocks were reserved for the sender's request and nothing reads them until
                     # the front end hears the write is done, so storing them from this thread is safe.
                     packed = torch.empty(self.codec.size(layers, count), dtype=torch.uint8)
-                    self.dist.irecv(packed, src=peer, tag=tag).wait()
+                    self.group.recv([packed], peer, tag).wait()
                     if self.store_delay_s:
                         time.sleep(self.store_delay_s)
                     self.codec.unpack(slice(first, first + layers), index, packed)
-                    self.dist.isend(torch.ones(1, dtype=torch.int64), dst=peer, tag=tag).wait()
+                    self.group.send([torch.ones(1, dtype=torch.int64)], peer, tag).wait()
                     continue
                 if count:
                     packed = self.codec.pack(slice(None), index)
-                    self.dist.isend(packed, dst=peer, tag=tag).wait()
+                    self.group.send([packed], peer, tag).wait()
             except RuntimeError:
                 return  # the group is broken (a peer died): transfers under way run into their lease
             with self._lock:
@@ -432,6 +436,28 @@ class TorchDistributedTransport:
         with self._lock:
             notes, self._notes = self._notes, []
         return notes
+
+
+def rendezvous_store(address: str, rank: int, world_size: int, timeout: Any) -> Any:
+    """The ``torch.distributed`` store the workers meet at: ``tcp://HOST:PORT`` (rank 0 serves it, listening
+    on HOST only: torch's own store would listen on every interface) or ``env://`` (torchrun's)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not address.startswith("tcp://"):
+        store, _, _ = next(dist.rendezvous(address, rank, world_size, timeout=timeout))
+        return store
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    if rank:
+        return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host.strip("[]"), int(port)))
+    listener.listen(128)
+    # detach(): the store owns the descriptor from now on, so Python never closes it under the store.
+    return dist.TCPStore(host, int(port), world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach(), use_libuv=False)
 
 
 TRANSPORTS = {"nixl": NixlTransport, "torch": TorchDistributedTransport}

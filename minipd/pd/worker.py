@@ -18,20 +18,30 @@ peer, reserved block ids, layerwise), ("reserve", id, tokens), ("adopt", Request
 ("release_reservation", id, writes started), ("abort", ids, reason), ("release_kv", id),
 ("add_peer", info), ("stats",), ("fault", name), ("shutdown",). Messages out are dicts with a
 ``kind``: ready, outputs, reserved, kv_loaded, kv_failed, stats, warning, heartbeat, error.
+
+Both directions go through :class:`minipd.wire.Codec`: typed MessagePack, signed with the front
+end's key (nothing is unpickled), so a stray or forged packet is dropped with a warning. A worker
+reports at least every :data:`HEARTBEAT_INTERVAL` seconds; after an error that leaves its engine
+unusable it reports it and exits.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
-import pickle
 import time
 import traceback
 from typing import Any
 
+from minipd.wire import Codec, WireError, cluster_secret
+
+logger = logging.getLogger("minipd")
+
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
-#: Launched workers (``python -m minipd worker``) report at least this often, so the front end can tell
-#: a silent worker from a dead one.
+#: Every worker reports at least this often, so the front end can tell a silent (stopped, wedged or
+#: unreachable) worker from a busy one.
 HEARTBEAT_INTERVAL = 1.0
 
 
@@ -44,9 +54,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback interface."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
-               kv_lease_s: float, threads: int | None, transport: dict) -> None:
-    """Entry point of a worker process spawned by the front end (it ends when its parent does)."""
+               kv_lease_s: float, threads: int | None, transport: dict, key: bytes) -> None:
+    """Entry point of a worker process spawned by the front end (it ends when its parent does).
+
+    ``key`` signs every message both ways (a fresh one per front end)."""
     import zmq
 
     context = zmq.Context()
@@ -57,7 +79,7 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
     parent = os.getppid()
     try:
         _serve(f"{role}{index}", role, model, llm_options, kv_lease_s, threads, transport, pull, push,
-               lambda: os.getppid() == parent, heartbeat=None)
+               lambda: os.getppid() == parent, Codec(key))
     finally:
         push.close(linger=1000)
         pull.close(linger=0)
@@ -65,14 +87,18 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
 
 
 def run_launched_worker(connect: str, role: str | None = None, host: str = "127.0.0.1",
-                        num_prefill_workers: int = 1, join_timeout: float = 300.0) -> int:
+                        num_prefill_workers: int = 1, join_timeout: float = 300.0,
+                        secret: str | bytes | os.PathLike | None = None) -> int:
     """Entry point of ``python -m minipd worker``: a worker started by hand (or by ``torchrun``), on this
     machine or another, that joins a front end listening at ``connect``.
 
     It binds its own inbox on ``host`` (the address the front end reaches it at), says hello with its
     role, and receives from the front end everything else: the model, engine options, its name and
-    the KV transport. Under ``torchrun`` the role may be left out: ranks below ``num_prefill_workers``
-    prefill, the others decode, and the ``torch`` transport uses torchrun's rendezvous. It serves
+    the KV transport. Every message both ways is signed with the cluster secret
+    (:func:`minipd.wire.cluster_secret`: ``secret``, else ``MINIPD_CLUSTER_SECRET``, else the
+    user's secret file); a message that is not is logged and dropped. Under ``torchrun`` the role may
+    be left out: ranks below ``num_prefill_workers`` prefill, the others decode, and the ``torch``
+    transport uses torchrun's rendezvous. It serves
     until the front end shuts it down (or it is killed). Returns the exit status.
     """
     import zmq
@@ -84,6 +110,7 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         role = "prefill" if int(rank) < num_prefill_workers else "decode"
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    codec = Codec(cluster_secret(secret, create=True))
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     push.connect(connect)
@@ -93,15 +120,19 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         hello = {"kind": "hello", "role": role, "inbox": pull.getsockopt_string(zmq.LAST_ENDPOINT), "host": host,
                  "free_port": free_port(host), "pid": os.getpid(),  # in case it hosts torch.distributed's store
                  "torchrun": None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1")))}
-        push.send(pickle.dumps(hello, protocol=pickle.HIGHEST_PROTOCOL))
-        if not pull.poll(int(join_timeout * 1000)):
-            raise TimeoutError(f"no front end answered at {connect} within {join_timeout:.0f} s")
-        message = pickle.loads(pull.recv())
+        push.send(codec.encode(hello))
+        deadline = time.monotonic() + join_timeout
+        while True:  # the first signed message from the front end; anything else is dropped
+            if not pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                raise TimeoutError(f"no front end answered at {connect} within {join_timeout:.0f} s")
+            message = receive(pull, codec)
+            if isinstance(message, tuple) and message:
+                break
         if message[0] != "config":
             return 0  # refused (the front end has enough workers) or shut down before it started
         _, name, model, llm_options, kv_lease_s, threads, transport = message
-        _serve(name, role, model, llm_options, kv_lease_s, threads, transport, pull, push, lambda: True,
-               heartbeat=HEARTBEAT_INTERVAL)
+        transport = {**transport, "host": host}
+        _serve(name, role, model, llm_options, kv_lease_s, threads, transport, pull, push, lambda: True, codec)
         return 0
     finally:
         push.close(linger=1000)
@@ -109,18 +140,35 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         context.term()
 
 
+def receive(pull: Any, codec: Codec) -> Any:
+    """The next message on ``pull`` (one is waiting), or None for one that is not signed or not well formed:
+    it is logged and dropped, never acted on."""
+    data = pull.recv()
+    try:
+        return codec.decode(data)
+    except WireError as err:
+        logger.warning("minipd worker: dropped a message of %d bytes: %s", len(data), err)
+        return None
+
+
 def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: float, threads: int | None,
-           transport: dict, pull: Any, push: Any, parent_alive: Any, heartbeat: float | None) -> None:
+           transport: dict, pull: Any, push: Any, parent_alive: Any, codec: Codec) -> None:
     """Load the engine and the KV transport, say ready, and serve the front end's messages."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
+    # Never compile the C++ kernel here: a build takes a minute, and the front end is waiting.
+    os.environ.setdefault("MINIPD_NO_KERNEL_BUILD", "1")
+    host = transport.get("host", "127.0.0.1")
+    if is_loopback(host):
+        # UCX (NIXL's backend) otherwise listens on every interface the machine has.
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
     def send(message: dict) -> None:
         message["worker"] = name
-        push.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        push.send(codec.encode(message))
 
     try:
         from minipd.llm import LLM
@@ -133,11 +181,13 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         else:
             kv = TorchDistributedTransport(name, core.pool, transport["rank"], transport["world_size"],
                                            transport["address"], -(-core.max_model_len // core.config.block_size),
-                                           transport.get("wire_dtype"))
+                                           transport.get("wire_dtype"), host=host)
         send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
               "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
-        _Worker(role, core, kv, send, kv_lease_s, heartbeat).serve(pull, parent_alive)
+        _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
     except Exception as err:
+        # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
+        # and exit, and the front end sends its requests elsewhere.
         send({"kind": "error", "message": f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"})
 
 
@@ -146,7 +196,7 @@ class _Worker:
     the process plumbing, for reading)."""
 
     def __init__(self, role: str, core: Any, transport: Any, send: Any, kv_lease_s: float,
-                 heartbeat: float | None = None) -> None:
+                 heartbeat: float = HEARTBEAT_INTERVAL) -> None:
         from minipd.pd.connector import KVConnectorScheduler, KVConnectorWorker
 
         self.role, self.core, self.transport = role, core, transport
@@ -170,8 +220,10 @@ class _Worker:
         self.timelines: dict[str, dict] = {}
         #: Transfer reports held back on purpose (the "late_reports" fault), with when they are due.
         self.late: list[tuple[float, dict]] = []
+        #: Requests aborted while a read into their blocks was under way, with the abort's arguments.
+        self.abort_after_load: dict[str, tuple] = {}
 
-    def serve(self, pull: Any, parent_alive: Any) -> None:
+    def serve(self, pull: Any, parent_alive: Any, codec: Codec) -> None:
         while True:
             sched = self.core.scheduler
             busy = bool(sched.running or sched.waiting)  # something can compute now
@@ -184,12 +236,13 @@ class _Worker:
             else:
                 timeout_ms = int(POLL_INTERVAL * 1000) if self.kv_scheduler.held_since else 1000
             while pull.poll(timeout_ms):
-                if not self.handle(pickle.loads(pull.recv())):
+                message = receive(pull, codec)
+                if message is not None and not self.handle(message):
                     return
                 timeout_ms = 0
             if not parent_alive():
                 return  # the front end is gone: nobody to serve
-            if self.heartbeat is not None and time.monotonic() - self.last_sent >= self.heartbeat:
+            if time.monotonic() - self.last_sent >= self.heartbeat:
                 self.send({"kind": "heartbeat"})
             try:
                 self.watch_transfers()
@@ -203,6 +256,9 @@ class _Worker:
     def handle(self, message: tuple) -> bool:
         from minipd.engine.request import EngineCoreOutputs
 
+        if not (isinstance(message, tuple) and message and isinstance(message[0], str)):
+            self.send({"kind": "warning", "message": f"ignored a message that is not a command: {message!r:.200}"})
+            return True
         kind = message[0]
         kv = self.kv_scheduler
         try:
@@ -215,10 +271,16 @@ class _Worker:
                 self.core.add_request(request)
                 self.kv_worker.add_save(request.request_id, peer, blocks, layerwise)
             elif kind == "abort":
+                now = []
                 for request_id in message[1]:
                     kv.cancel(request_id)
-                    self.kv_worker.cancel_load(request_id)
-                self.report(EngineCoreOutputs(self.core.abort_requests(message[1], *message[2:]), time.perf_counter()))
+                    if request_id in self.kv_worker.loads:
+                        # A read is landing in its blocks: free them once it has landed or failed, never
+                        # before (they could be given to another request while the bytes still arrive).
+                        self.abort_after_load[request_id] = tuple(message[2:])
+                    else:
+                        now.append(request_id)
+                self.report(EngineCoreOutputs(self.core.abort_requests(now, *message[2:]), time.perf_counter()))
             elif kind == "release_kv":  # the request ended at its first token: nobody will read its blocks
                 if not kv.release(message[1]):
                     self.core.release_kv(message[1])
@@ -242,8 +304,12 @@ class _Worker:
             elif kind == "shutdown":
                 return False
         except Exception as err:  # a bad message must not take the worker down
-            request_id = message[1].request_id if kind in ("add", "add_remote", "add_push") else None
-            self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
+            request_id = getattr(message[1], "request_id", None) if kind in ("add", "add_remote", "add_push") \
+                else None
+            if request_id is None:  # not about one request: the worker goes on (an "error" says it cannot)
+                self.send({"kind": "warning", "message": f"{kind!r} failed: {type(err).__name__}: {err}"})
+            else:
+                self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
         return True
 
     def on_layer_stored(self, batch: Any, layer: int) -> None:
@@ -291,6 +357,8 @@ class _Worker:
 
     def watch_transfers(self) -> None:
         """Start the loads whose blocks are ready; act on every transfer that ended and every lease that ran out."""
+        from minipd.engine.request import EngineCoreOutputs
+
         kv, mover = self.kv_scheduler, self.kv_worker
         for request_id in [r for r in mover.saves if r not in self.core.requests]:
             mover.abort_save(request_id)
@@ -312,7 +380,10 @@ class _Worker:
         for request_id in kv.expire():
             self.send({"kind": "kv_failed", "request_id": request_id, "message": "reservation expired"})
         for request_id, (num_bytes, start, end) in finished.done_recving.items():
-            if request_id in self.core.requests:
+            if request_id in self.abort_after_load:
+                reason = self.abort_after_load.pop(request_id)
+                self.report(EngineCoreOutputs(self.core.abort_requests([request_id], *reason), time.perf_counter()))
+            elif request_id in self.core.requests:
                 self.core.finish_kv_load(request_id)
                 self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": num_bytes, "start": start,
                            "end": end})
@@ -342,5 +413,6 @@ class _Worker:
         from minipd.engine.request import FinishReason
 
         self.kv_worker.cancel_load(request_id)
+        self.abort_after_load.pop(request_id, None)
         self.core.abort_requests([request_id], FinishReason.ABORT)
         self.send({"kind": "kv_failed", "request_id": request_id, "message": why})

@@ -1,0 +1,163 @@
+"""Faults of a disaggregated engine that are not a clean death: a worker stopped (SIGSTOP) is taken for
+dead after ``heartbeat_timeout`` and fenced; an expert-parallel rank dying under a worker is recovered
+inside ``generate``; ``abort`` (and closing a stream) reaches the request wherever it is; a dropped
+``DisaggregatedLLM`` stops its workers; bad arguments are refused before any process starts. Every
+test bounds its workers in time and shuts them down, also when it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from pd_helpers import assert_gone, llm, mixed, needs_nixl, run_killing, tokens, wait_until_blocks_free
+
+from minipd import LLM, DisaggregatedLLM, SamplingParams
+
+__all__ = ["llm"]  # a fixture, imported for pytest
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            assert_gone([pid])
+            return
+        except AssertionError:
+            time.sleep(0.1)
+    assert_gone([pid])
+
+
+@needs_nixl
+@pytest.mark.parametrize(("role", "after_tokens"), [("prefill", 0), ("decode", 60)])
+def test_a_stopped_worker_is_fenced_and_its_requests_finish_elsewhere(llm, role, after_tokens):
+    prompts, params = mixed(llm, 16)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", heartbeat_timeout=2, kv_lease_s=2, start_timeout=120) as pd:
+        victim = pd.worker_pids()[role][0]
+        try:
+            start = time.monotonic()
+            outputs = run_killing(pd, prompts, params, role, after_tokens, sig=signal.SIGSTOP)
+            assert time.monotonic() - start < 60
+            assert tokens(outputs) == expected  # every request finished, on the other worker
+            assert pd.num_recovered_requests > 0  # it was stopped holding requests
+            assert victim not in pd.worker_pids()[role]
+            wait_gone(victim)  # fenced: a process of ours that went silent is killed, so it cannot wake up
+            outputs = pd.generate(prompts[:4], params[:4])  # one worker serves both roles from now on
+            assert tokens(outputs) == expected[:4]
+            wait_until_blocks_free(pd)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+
+
+@needs_nixl
+def test_an_expert_parallel_rank_dying_under_a_worker_is_recovered_inside_generate():
+    prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 2
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in LLM("tiny-py-moe", moe_backend="loop").generate(prompts, params)]
+    with DisaggregatedLLM("tiny-py-moe", moe_backend="loop", expert_parallel_size=2, num_decode_workers=2,
+                          kv_lease_s=2, start_timeout=120) as pd:
+        decoder = pd.worker_pids()["decode"][0]
+        ids = [pd.add_request(p, params) for p in prompts]
+        states = [pd.processor.states[i] for i in ids]
+        received, killed, deadline = 0, False, time.monotonic() + 120
+        while not all(s.finished for s in states):  # no WorkerError escapes while a decode worker remains
+            assert time.monotonic() < deadline, "requests not finished in 120 s"
+            received += len(pd.step())
+            if not killed and received >= 20:
+                ranks = subprocess.run(["pgrep", "-P", str(decoder), "-f", "minipd.moe.ranks"], capture_output=True,
+                                       text=True).stdout.split()
+                assert ranks, "the decode worker has no expert-parallel rank"
+                os.kill(int(ranks[0]), signal.SIGKILL)
+                killed = True
+        assert killed
+        assert [s.to_output().token_ids for s in states] == expected
+        assert pd.num_recovered_requests > 0
+        assert decoder not in pd.worker_pids()["decode"]  # the worker whose rank died left the cluster
+
+
+@needs_nixl
+@pytest.mark.parametrize("mode", ["pull", "layerwise"])
+def test_abort_reaches_the_request_at_every_stage_and_frees_its_blocks(llm, mode):
+    prompts, params = mixed(llm, 12)
+    params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)] * len(prompts)
+    survivors = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = tokens(llm.generate(prompts[:2], survivors))
+    with DisaggregatedLLM("tiny-py", kv_transfer=mode, kv_lease_s=5, start_timeout=120) as pd:
+        ids = [pd.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        states = [pd.processor.states[i] for i in ids]
+        assert pd.abort(ids[0]) == [ids[0]]  # at once: queued, or reserving, or prefilling
+        for _ in range(3):
+            pd.step(0.01)
+        pd.abort(ids[1:6])  # early on: prefilling, in transfer or just decoding
+        deadline = time.monotonic() + 60
+        while sum(len(s.token_ids) for s in states[6:]) < 30:
+            assert time.monotonic() < deadline
+            pd.step()
+        assert sorted(pd.abort([*ids[6:], "no-such-request"])) == sorted(ids[6:])  # decoding
+        assert all(s.finished for s in states) and {s.to_output().finish_reason for s in states} == {"abort"}
+        assert all(len(s.token_ids) < 200 for s in states)
+        assert not pd.has_unfinished_requests()
+        wait_until_blocks_free(pd)  # every worker let go of every aborted request's blocks
+        assert tokens(pd.generate(prompts[:2], survivors)) == expected  # and the cluster serves on
+        with pytest.raises(TypeError, match="request_id"):
+            pd.abort([1, 2])
+
+
+@needs_nixl
+def test_closing_a_stream_aborts_its_request_on_the_worker(llm):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    with DisaggregatedLLM("tiny-py", kv_lease_s=5, start_timeout=120) as pd:
+        stream = pd.stream("def main():", params)
+        first = [next(stream) for _ in range(2)]
+        assert [d.request_id for d in first] == [stream.request_id] * 2
+        stream.close()
+        assert not pd.has_unfinished_requests()
+        stats = wait_until_blocks_free(pd)  # the decode worker stopped decoding it and freed its blocks
+        assert all(s["live_requests"] == 0 for s in stats.values())
+
+
+@needs_nixl
+def test_a_dropped_front_end_stops_its_workers():
+    pd = DisaggregatedLLM("tiny-py", start_timeout=120)
+    pids = [p for group in pd.worker_pids().values() for p in group]
+    try:
+        del pd
+        gc.collect()
+        for pid in pids:
+            wait_gone(pid, timeout=20)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_bad_arguments_are_refused_before_any_worker_starts(monkeypatch):
+    import multiprocessing
+
+    def no_processes(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(multiprocessing.get_context("spawn"), "Process", no_processes)
+    for options, field in [(dict(kv_lease_s=True), "kv_lease_s"), (dict(kv_lease_s=0), "kv_lease_s"),
+                           (dict(seed="abc"), "seed"), (dict(threads_per_worker=-1), "threads_per_worker"),
+                           (dict(threads_per_worker="2"), "threads_per_worker"),
+                           (dict(heartbeat_timeout=0.5), "heartbeat_timeout"),
+                           (dict(start_timeout=-1), "start_timeout")]:
+        with pytest.raises(ValueError, match=field):
+            DisaggregatedLLM("tiny-py", **options)
+
+
+@needs_nixl
+def test_a_shut_down_front_end_refuses_work_clearly():
+    pd = DisaggregatedLLM("tiny-py", start_timeout=120)
+    pd.shutdown()
+    for call in (lambda: pd.stream("x"), lambda: pd.generate("x"), lambda: pd.add_request("x")):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
