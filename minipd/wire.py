@@ -279,6 +279,20 @@ def _read_secret(path: Path) -> bytes:
     return key
 
 
+def receive(socket: Any, codec: Codec, timeout: float | None, what: str) -> Any:
+    """The next acceptable message on a ZeroMQ socket, waiting up to ``timeout`` seconds (None: for ever);
+    None when none came. A message that is not signed with ``codec``'s key or not well formed is logged
+    (naming ``what`` received it) and dropped, never acted on."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while socket.poll(None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))):
+        data = socket.recv()
+        try:
+            return codec.decode(data)
+        except WireError as err:
+            logger.warning("%s: dropped a message of %d bytes: %s", what, len(data), err)
+    return None
+
+
 def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception], what: str) -> None:
     """Send on a ZeroMQ push socket without blocking for ever: retried while ``peer_alive()``, else ``error``.
 
@@ -298,4 +312,4 @@ def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception
             raise error(f"{what}: cannot send ({err})") from None
 
 
-__all__ = ["ALLOWED", "Codec", "WireError", "cluster_secret", "new_key", "send_nowait"]
+__all__ = ["ALLOWED", "Codec", "WireError", "cluster_secret", "new_key", "receive", "send_nowait"]

@@ -36,6 +36,13 @@ def launch(roles: list[str], address: str, *extra: str) -> list[subprocess.Popen
                               "--join-timeout", "120", *extra], env=env()) for role in roles]
 
 
+def workload() -> tuple[list[str], SamplingParams, list[list[int]]]:
+    """Twelve prompts, greedy, and the single engine's tokens for them."""
+    prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return prompts, params, [o.token_ids for o in LLM("tiny-py").generate(prompts, params, use_tqdm=False)]
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     for p in processes:
         if p.poll() is None:
@@ -50,9 +57,7 @@ def test_launched_workers_join_serve_and_survive_a_kill(kv_transport):
     address = f"tcp://127.0.0.1:{free_port()}"
     workers = launch(["prefill", "decode", "decode"], address)
     try:
-        prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 3
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        expected = [o.token_ids for o in LLM("tiny-py").generate(prompts, params, use_tqdm=False)]
+        prompts, params, expected = workload()
         with DisaggregatedLLM("tiny-py", num_decode_workers=2, listen=address, kv_transport=kv_transport,
                               heartbeat_timeout=3, kv_lease_s=10, start_timeout=120) as pd:
             pids = pd.worker_pids()
@@ -80,9 +85,7 @@ def test_a_stopped_launched_worker_is_fenced_and_sent_home_when_it_wakes_up():
     address = f"tcp://127.0.0.1:{free_port()}"
     workers = launch(["prefill", "decode", "decode"], address)
     try:
-        prompts = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"] * 3
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        expected = [o.token_ids for o in LLM("tiny-py").generate(prompts, params, use_tqdm=False)]
+        prompts, params, expected = workload()
         with DisaggregatedLLM("tiny-py", num_decode_workers=2, listen=address, heartbeat_timeout=2, kv_lease_s=5,
                               start_timeout=120) as pd:
             stopped = pd.worker_pids()["decode"][0]

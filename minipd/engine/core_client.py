@@ -15,7 +15,6 @@ worker and an expert-parallel rank use: the model runs in its own loop, requests
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -29,9 +28,8 @@ from typing import Any
 from minipd.engine.core import EngineCore
 from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.kv.paged_pool import PackedKV
-from minipd.wire import Codec, WireError, new_key, send_nowait
-
-logger = logging.getLogger("minipd")
+from minipd.wire import Codec, new_key, send_nowait
+from minipd.wire import receive as wire_receive
 
 
 class EngineDeadError(RuntimeError):
@@ -302,14 +300,7 @@ def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, 
                     "the other end of the engine core's queue")
 
     def receive(timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pull.poll(None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))):
-            data = pull.recv()
-            try:
-                return codec.decode(data)
-            except WireError as err:
-                logger.warning("engine core channel: dropped a message of %d bytes: %s", len(data), err)
-        return None
+        return wire_receive(pull, codec, timeout, "engine core channel")
 
     return send, receive
 

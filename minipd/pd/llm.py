@@ -62,7 +62,7 @@ from minipd.pd.transport import TRANSPORTS, nixl_available
 from minipd.pd.worker import free_port, run_worker
 from minipd.sampling_params import SamplingParams, check_seed
 from minipd.tokenizer import Tokenizer
-from minipd.wire import Codec, WireError, cluster_secret, new_key, send_nowait
+from minipd.wire import Codec, cluster_secret, new_key, receive, send_nowait
 
 KV_TRANSFERS = ("pull", "push", "layerwise")
 logger = logging.getLogger("minipd")
@@ -423,13 +423,8 @@ class DisaggregatedLLM:
         A message that is not signed with this cluster's key, not well formed, or from a worker that is
         unknown or fenced is logged and dropped: it is never acted on."""
         deadline = time.monotonic() + timeout
-        while self._pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            data = self._pull.recv()
-            try:
-                message = self._codec.decode(data)
-            except WireError as err:
-                logger.warning("dropped a message of %d bytes: %s", len(data), err)
-                continue
+        while (message := receive(self._pull, self._codec, max(0.0, deadline - time.monotonic()), "minipd front end")
+               ) is not None:
             if not (isinstance(message, dict) and isinstance(message.get("kind"), str)):
                 logger.warning("dropped a message that is not a worker's report: %.200r", message)
                 continue

@@ -28,15 +28,12 @@ unusable it reports it and exits.
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import time
 import traceback
 from typing import Any
 
-from minipd.wire import Codec, WireError, cluster_secret
-
-logger = logging.getLogger("minipd")
+from minipd.wire import Codec, cluster_secret, receive
 
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
@@ -125,7 +122,7 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         while True:  # the first signed message from the front end; anything else is dropped
             if not pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 raise TimeoutError(f"no front end answered at {connect} within {join_timeout:.0f} s")
-            message = receive(pull, codec)
+            message = receive(pull, codec, 0, "minipd worker")
             if isinstance(message, tuple) and message:
                 break
         if message[0] != "config":
@@ -138,17 +135,6 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()
-
-
-def receive(pull: Any, codec: Codec) -> Any:
-    """The next message on ``pull`` (one is waiting), or None for one that is not signed or not well formed:
-    it is logged and dropped, never acted on."""
-    data = pull.recv()
-    try:
-        return codec.decode(data)
-    except WireError as err:
-        logger.warning("minipd worker: dropped a message of %d bytes: %s", len(data), err)
-        return None
 
 
 def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: float, threads: int | None,
@@ -236,7 +222,7 @@ class _Worker:
             else:
                 timeout_ms = int(POLL_INTERVAL * 1000) if self.kv_scheduler.held_since else 1000
             while pull.poll(timeout_ms):
-                message = receive(pull, codec)
+                message = receive(pull, codec, 0, "minipd worker")
                 if message is not None and not self.handle(message):
                     return
                 timeout_ms = 0
