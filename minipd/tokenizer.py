@@ -26,6 +26,29 @@ class Tokenizer:
         """Text for ``token_ids``; end-of-sequence and other special tokens are left out by default."""
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> str:
+        """The prompt text for a conversation, through the tokenizer's chat template (or ``chat_template``).
+
+        ``messages`` is a list of ``{"role": ..., "content": ...}`` with string values, as OpenAI's and
+        vLLM's chat APIs take them; with ``add_generation_prompt`` the text ends where the reply begins.
+        """
+        from minipd.errors import ParameterError
+
+        if not isinstance(messages, list) or not messages:
+            raise ParameterError("messages", "messages must be a non-empty list of {'role': ..., 'content': ...}")
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ParameterError(f"messages[{i}]", f"messages[{i}] must be a dict with string 'role' and "
+                                                       f"'content', got {message!r:.200}")
+        template = chat_template or getattr(self.hf, "chat_template", None)
+        if not template:
+            raise ParameterError("messages", "this model's tokenizer has no chat template: pass chat_template= "
+                                             "or send a plain prompt")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=template)
+
     @property
     def eos_token_id(self) -> int | None:
         """The tokenizer's end-of-sequence id, if it has one."""
@@ -40,8 +63,9 @@ class IncrementalDetokenizer:
     few tokens back and emits only what is new and complete.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -53,9 +77,9 @@ class IncrementalDetokenizer:
         with ``last`` they are flushed as they are, so the deltas add up to ``decode(token_ids)``.
         """
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.token_ids[self.prefix_offset:self.read_offset])
-        after = decode(self.token_ids[self.prefix_offset:])
+        skip = self.skip_special_tokens
+        before = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip)
+        after = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip)
         if len(after) > len(before) and (last or not after.endswith("\ufffd")):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)

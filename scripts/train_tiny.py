@@ -49,6 +49,15 @@ SETTINGS = {
 }
 
 
+
+#: A chat template for a model of Python text: each message as a comment line, then the reply's cue.
+CHAT_TEMPLATE = ("{%- for message in messages -%}\n"
+                 "# {{ message['role'] }}: {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+                 "{% endfor -%}\n"
+                 "{%- if add_generation_prompt -%}\n"
+                 "# assistant:\n"
+                 "{% endif -%}")
+
 def stdlib_files() -> tuple[Path, list[Path]]:
     """The standard library's .py files, tests and third-party packages left out, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -210,6 +219,7 @@ def main() -> None:
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_cfg["model_max_length"] = model.config.max_position_embeddings
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     model.generation_config.do_sample = False
     model.generation_config.max_new_tokens = 64

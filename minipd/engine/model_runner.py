@@ -25,7 +25,7 @@ from minipd.kernels.backend import KernelBackend
 from minipd.kv.paged_cache import PagedAttentionMetadata, PagedKVCache
 from minipd.kv.paged_pool import PagedKVPool
 from minipd.kv.residual import ResidualWindow
-from minipd.layers.sampler import sample_next_tokens
+from minipd.layers.sampler import apply_penalties, sample_next_tokens
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
 
@@ -261,8 +261,17 @@ class ModelRunner:
 
     def _sample(self, to_sample: list[Request], logits: torch.Tensor,
                 prompt_logprobs: dict[str, list[dict[int, float]]]) -> StepResult:
-        """Next tokens (and the log-probabilities asked for) from the sampled rows' logits."""
-        tokens = sample_next_tokens(logits, [r.params for r in to_sample], [r.seed for r in to_sample],
+        """Next tokens (and the log-probabilities asked for) from the sampled rows' logits.
+
+        Penalties shape what is sampled; log-probabilities are those of the raw logits."""
+        params = [r.params for r in to_sample]
+        if any(p.has_penalties for p in params):
+            chosen_from = apply_penalties(logits, params, [r.prompt_token_ids for r in to_sample],
+                                          [r.output_token_ids for r in to_sample],
+                                          [r.eos_token_ids for r in to_sample])
+        else:
+            chosen_from = logits
+        tokens = sample_next_tokens(chosen_from, params, [r.seed for r in to_sample],
                                     [r.sampling_offset for r in to_sample]).tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(to_sample)
         wanted = [i for i, r in enumerate(to_sample) if r.params.logprobs is not None]

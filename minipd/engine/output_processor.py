@@ -82,7 +82,8 @@ class OutputProcessor:
     def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                   arrival_time: float) -> RequestState:
         """A fresh state for a request (not registered until :meth:`add`)."""
-        return RequestState(request_id, prompt, prompt_token_ids, params, IncrementalDetokenizer(self.tokenizer),
+        return RequestState(request_id, prompt, prompt_token_ids, params,
+                            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                             RequestMetrics(arrival_time=arrival_time))
 
     def add(self, state: RequestState) -> None:
@@ -151,6 +152,8 @@ class OutputProcessor:
     def _release_text(state: RequestState) -> str:
         """Move what can be shown from ``held`` to ``text``; end the request at a stop string."""
         stops = state.params.stop_strings
+        if len(state.token_ids) < state.params.min_tokens:
+            stops = []  # as vLLM: nothing stops a request before min_tokens (the sampler masks stop tokens)
         if not stops or not state.held:
             text, state.held = state.held, ""
             state.text += text
@@ -162,6 +165,8 @@ class OutputProcessor:
         hits = [(window.find(s), s) for s in stops if s in window]
         if hits:
             offset, stop = min(hits)
+            if state.params.include_stop_str_in_output:
+                offset += len(stop)
             cut = max(0, start + offset - len(state.text))
             text = state.held[:cut]
             state.text += text

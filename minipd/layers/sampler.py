@@ -1,8 +1,8 @@
-"""Turning logits into the next token: greedy, temperature, top-k and top-p (nucleus) sampling."""
+"""Turning logits into the next token: penalties, then greedy, temperature, top-k and top-p (nucleus) sampling."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -31,6 +31,41 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         cut = (mass_before >= top_p.to(logits.device)[:, None]) & use_p.to(logits.device)[:, None]
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+                    outputs: Sequence[Sequence[int]], eos_token_ids: Sequence[Collection[int]]) -> torch.Tensor:
+    """The logits (B, V) each row samples from after its request's penalties (a copy; rows without any
+    are unchanged), as vLLM applies them:
+
+    - ``repetition_penalty`` (HF's ``RepetitionPenaltyLogitsProcessor``): every token of the prompt or
+      the output has a positive logit divided by it, a negative one multiplied by it;
+    - ``frequency_penalty`` / ``presence_penalty`` (OpenAI's): minus ``frequency * count + presence``
+      for every token the output already holds ``count > 0`` times;
+    - ``min_tokens`` (HF's ``MinNewTokensLengthLogitsProcessor``): while the output is shorter, the
+      end-of-sequence tokens (unless ``ignore_eos``) and ``stop_token_ids`` cannot be chosen.
+    """
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    logits = logits.float().clone()
+    vocab, device = logits.shape[-1], logits.device
+    for i in rows:
+        p, row = params[i], logits[i]
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted({*prompts[i], *outputs[i]}), dtype=torch.long, device=device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(outputs[i]):
+            counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long, device=device), minlength=vocab)
+            counts = counts[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if len(outputs[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids[i]))
+            banned = {t for t in banned if t < vocab}
+            if banned:
+                row[torch.tensor(sorted(banned), dtype=torch.long, device=device)] = float("-inf")
+    return logits
 
 
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
