@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,7 @@ from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
 from minipd.engine.inputs import PromptInput, check_llm_args, normalize_params, normalize_prompts
+from minipd.errors import ParameterError
 from minipd.models.loading import load_model
 from minipd.outputs import RequestOutput, RequestStream, StreamDelta
 from minipd.sampling_params import SamplingParams
@@ -192,10 +193,23 @@ class LLM:
                 if delta.finished:
                     return
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request running in this LLM's engine; its KV blocks are freed at once.
+    def abort(self, request_id: str | Iterable[str]) -> bool | list[str]:
+        """Abort requests running in this LLM's engine; their KV blocks are freed at once.
 
-        A :meth:`stream` following it ends with a final delta whose ``finish_reason`` is ``"abort"``.
+        Takes one id (returns whether it was live) or several, as vLLM's ``abort`` does (returns the ids
+        that were live). A :meth:`stream` following an aborted request ends with a final delta whose
+        ``finish_reason`` is ``"abort"``.
         """
+        if isinstance(request_id, str):
+            with self._lock:
+                return self.engine.abort(request_id)
+        if isinstance(request_id, (bytes, bytearray)) or not isinstance(request_id, Iterable):
+            raise ParameterError("request_id", f"request_id must be a string or a list of strings, "
+                                               f"got {type(request_id).__name__}")
+        ids = list(request_id)
+        bad = next((i for i in ids if not isinstance(i, str)), None)
+        if bad is not None:
+            raise ParameterError("request_id", f"request_id must be a string or a list of strings, got an element "
+                                               f"{bad!r} ({type(bad).__name__})")
         with self._lock:
-            return self.engine.abort(request_id)
+            return [i for i in ids if self.engine.abort(i)]

@@ -164,3 +164,27 @@ def test_a_refused_recompilation_turns_compiled_decode_off_and_the_step_runs_eag
     with caplog.at_level("WARNING", logger="minipd"):
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     assert runner.compiled is None and "compile_decode turned off" in caplog.text
+
+
+@pytest.mark.parametrize("kernel_backend", ["cpu", "torch"])
+def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backend):
+    """The C++ kernel reads fp32 pools only: over an fp16 pool the compiled step uses the torch attention."""
+    if kernel_backend == "cpu":
+        need_cpu_kernel()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 7, 3)]
+    options = dict(kernel_backend=kernel_backend, kv_cache_dtype="fp16", max_model_len=64, max_num_seqs=4)
+    want = _tokens(LLM("tiny-py", **options), params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    assert _tokens(llm, params) == want
+    assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
+
+
+def test_compile_decode_with_expert_parallelism_is_refused_before_any_rank_starts(monkeypatch):
+    import minipd.moe.ranks as ranks
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("an expert-parallel rank was started")
+
+    monkeypatch.setattr(ranks, "RankProcess", no_ranks)
+    with pytest.raises(ValueError, match="compile_decode.*expert_parallel_size"):
+        LLM("tiny-py-moe", compile_decode=True, expert_parallel_size=2)

@@ -220,3 +220,34 @@ def test_cpu_backend_gives_the_reference_tokens_with_chunked_prefill_and_prefix_
         runs[backend] = [o.token_ids for o in first + rest]
     assert runs["cpu"] == runs["torch"]
     assert any(context > queries > 1 for queries, context in chunks)
+
+
+def test_the_build_is_keyed_by_its_inputs_so_checkouts_never_evict_each_other():
+    key = cpu_paged_attention.build_key
+    assert key() == key() and len(key()) == 12
+    assert key(source=cpu_paged_attention._SOURCE + "\n// another checkout") != key()
+    assert key(cflags=("-O2",)) != key()
+    assert cpu_paged_attention.extension_name().endswith(key())
+
+
+def test_a_process_that_must_not_build_uses_the_reference_and_compiles_nothing(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the kernel was compiled")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: nothing built for this key
+    monkeypatch.setenv(cpu_paged_attention.NO_BUILD_ENV, "1")
+    monkeypatch.setattr(cpp_extension, "load_inline", no_build)
+    cpu_paged_attention.load_kernel.cache_clear()
+    try:
+        assert not cpu_paged_attention.kernel_built()
+        module, why = cpu_paged_attention.load_kernel()
+        assert module is None and cpu_paged_attention.NO_BUILD_ENV in why
+        # Two builds with different keys live side by side in one cache.
+        for name in ("minipd_cpu_paged_attention_aaaaaaaaaaaa", cpu_paged_attention.extension_name()):
+            (tmp_path / name).mkdir(exist_ok=True)  # (asking for a build's folder makes it)
+            (tmp_path / name / f"{name}.so").touch()
+        assert cpu_paged_attention.kernel_built()
+    finally:
+        cpu_paged_attention.load_kernel.cache_clear()

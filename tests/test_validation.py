@@ -427,3 +427,27 @@ def test_cli_ctrl_c_mid_generation_exits_130_in_one_line():
         proc.kill()
     assert proc.returncode == 130, err
     assert err == "error: interrupted\n"
+
+
+def test_eviction_granularity_is_checked_with_or_without_a_press():
+    with pytest.raises(ValueError, match="kv_eviction_granularity must be 'block' or 'token', got 'pixel'"):
+        EngineConfig(kv_eviction_granularity="pixel")
+    with pytest.raises(ValueError, match="kv_eviction_granularity"):
+        EngineConfig(kv_eviction="sink-window", kv_budget=64, kv_eviction_granularity="pixel")
+
+
+def test_abort_takes_one_id_or_a_list_and_refuses_anything_else(llm):
+    from minipd.errors import ParameterError
+
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    streams = [llm.stream("def f():", params) for _ in range(3)]
+    ids = [s.request_id for s in streams]
+    assert llm.abort(ids[0]) is True and llm.abort(ids[0]) is False
+    assert llm.abort([ids[1], "no-such-id", ids[2]]) == [ids[1], ids[2]]
+    assert all([d.finish_reason for d in s][-1] == "abort" for s in streams)
+    for bad in ([1, 2], 7, b"id"):
+        with pytest.raises(ParameterError, match="request_id") as refused:
+            llm.abort(bad)
+        assert refused.value.param == "request_id"
+    assert llm.engine.block_manager.num_used_blocks == 0
+    assert llm.generate("def f():", SamplingParams(temperature=0, max_tokens=3))[0].token_ids

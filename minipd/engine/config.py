@@ -168,14 +168,15 @@ class EngineConfig:
     def _check_eviction(self) -> None:
         from minipd.kv.press import make_press
 
+        # Checked whether or not a press is set: a typo here would otherwise wait for the day one is.
+        if self.kv_eviction_granularity not in ("block", "token"):
+            raise ValueError("kv_eviction_granularity must be 'block' or 'token', "
+                             f"got {self.kv_eviction_granularity!r}")
         if self.kv_eviction is None:
             if self.kv_budget is not None:
                 raise ValueError("kv_budget needs kv_eviction (which press drops the blocks), got kv_eviction=None")
             return
         make_press(self.kv_eviction)  # names the choices when it is not one
-        if self.kv_eviction_granularity not in ("block", "token"):
-            raise ValueError("kv_eviction_granularity must be 'block' or 'token', "
-                             f"got {self.kv_eviction_granularity!r}")
         if self.kv_eviction_granularity == "token" and self.kv_cache_dtype == "int4":
             raise ValueError("kv_eviction_granularity='token' moves single tokens between blocks, which KIVI's "
                              "int4 cannot (a block's keys share per-channel scales); use 'block' or another format")
@@ -233,6 +234,10 @@ class EngineConfig:
             raise ValueError("compile_warmup compiles the decode buckets of compile_decode: pass compile_decode=True")
         from minipd.kv.spec import KV_DTYPES
 
+        if self.compile_decode and self.expert_parallel_size > 1:
+            # Refused here, before any rank process starts: the compiled step has no expert-parallel layers.
+            raise ValueError("compile_decode covers models whose experts are all in this process; with "
+                             "expert_parallel_size > 1 pass compile_decode=False")
         if self.compile_decode and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
             raise ValueError("compile_decode reads an unquantized cache; kv_cache_dtype "
                              f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")

@@ -147,7 +147,9 @@ class EngineCore:
             raise ValueError("compile_decode covers dense attention models; this model has "
                              f"{'mixture-of-experts layers' if self.moe_layers else 'multi-head latent attention'}: "
                              "pass compile_decode=False")
-        kernel = self.kernels.name == "cpu"  # reads up to each length: no need to bucket the table's width
+        # The C++ kernel reads fp32 pools only, up to each length (no need to bucket the table's width); an
+        # fp16/bf16 pool goes through the torch attention, which casts what it gathers.
+        kernel = self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
         attend = cpu_decode_attention if kernel else decode_attention_with_new
         sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),

@@ -17,8 +17,12 @@ a KV head (grouped-query attention) are served together, so each K/V row is load
   polynomial the compiler vectorises (``std::exp`` is a scalar call).
 
 They are compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the
-build is cached under ``~/.cache/torch_extensions``): by ``make install``, by
-``python -m minipd build-kernels``, or on first use of ``kernel_backend="cpu"``. The default backend on
+build is cached under ``~/.cache/torch_extensions``, in a folder named by a hash of everything the
+build depends on — source, flags, torch, Python, the CPU's features — so two checkouts or virtualenvs
+on one machine keep their builds side by side instead of rebuilding each other's): by
+``make install``, by ``python -m minipd build-kernels``, or on first use of ``kernel_backend="cpu"``.
+A process with ``MINIPD_NO_KERNEL_BUILD=1`` (every prefill/decode worker) never compiles: it uses a
+build that is there, else the torch references. The default backend on
 a CPU is this one once it is built, the torch reference before. When it cannot be built,
 :func:`load_kernel` says why. They handle fp32 queries over an fp32 cache; anything else (fp16 caches,
 quantized pools, other devices) goes to the references.
@@ -27,7 +31,11 @@ quantized pools, other devices) goes to the references.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,8 +46,13 @@ from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_p
 
 logger = logging.getLogger("minipd")
 
-#: The extension's name (and its folder in torch's extension cache).
+#: The extension's name; its folder in torch's extension cache adds :func:`build_key`.
 _NAME = "minipd_cpu_paged_attention"
+#: Compiler and linker flags of the build.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+#: Set (to anything but "" or "0") where a build must not start: the kernel is used if built, else not.
+NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -478,15 +491,50 @@ TORCH_LIBRARY_IMPL(minipd_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); 
 """
 
 
+def _cpu_features() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key(source: str = _SOURCE, cflags: Sequence[str] = _CFLAGS, ldflags: Sequence[str] = _LDFLAGS) -> str:
+    """A short hash of everything the build depends on: the source, the flags, torch's and Python's versions,
+    the machine and its CPU features. Equal inputs share one build; different ones never evict each other."""
+    parts = [source, " ".join(cflags), " ".join(ldflags), torch.__version__, sys.version.split()[0],
+             platform.machine(), _cpu_features()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def extension_name() -> str:
+    """The extension's name in torch's cache: :data:`_NAME` and :func:`build_key`."""
+    return f"{_NAME}_{build_key()}"
+
+
+def _no_build() -> bool:
+    return os.environ.get(NO_BUILD_ENV, "") not in ("", "0")
+
+
 @functools.cache
 def load_kernel() -> tuple[object | None, str | None]:
-    """``(module, None)`` once the kernels are built (or loaded from the cache), else ``(None, why not)``."""
+    """``(module, None)`` once the kernels are built (or loaded from the cache), else ``(None, why not)``.
+
+    With ``MINIPD_NO_KERNEL_BUILD`` set, nothing is compiled: a missing build is ``(None, why)``."""
+    if _no_build() and not kernel_built():
+        reason = (f"not built for this checkout and machine, and {NO_BUILD_ENV} forbids building here "
+                  "(run `python -m minipd build-kernels` once)")
+        logger.warning("the CPU paged-attention kernels are %s; using the torch references", reason)
+        return None, reason
     try:
         from torch.utils.cpp_extension import load_inline
 
-        module = load_inline(_NAME, cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
-                             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                             verbose=False)
+        module = load_inline(extension_name(), cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
+                             extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
         # Its shape rule, for tracing: the output is shaped like the queries.
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
         return module, None
@@ -504,11 +552,12 @@ def kernel_built() -> bool:
     """
     from torch.utils.cpp_extension import _get_build_directory
 
+    name = extension_name()
     try:
-        folder = Path(_get_build_directory(_NAME, verbose=False))
+        folder = Path(_get_build_directory(name, verbose=False))
     except Exception:
         return False
-    return any(folder.glob(f"{_NAME}*.so"))
+    return any(folder.glob(f"{name}*.so"))
 
 
 #: Stands for "no new K/V rows" in a call of the C++ decode (it takes tensors, not None).

@@ -55,6 +55,7 @@ from minipd.engine.core import check_fits_pool
 from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, normalize_prompts
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
+from minipd.errors import ParameterError
 from minipd.kv.quant import PER_TOKEN_FORMATS
 from minipd.models.registry import resolve_model
 from minipd.outputs import KVTimeline, RequestOutput, RequestStream, StreamDelta
@@ -786,7 +787,7 @@ class DisaggregatedLLM:
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if not all(isinstance(i, str) for i in ids):
-            raise TypeError(f"request_id must be a string or a list of strings, got {request_id!r}")
+            raise ParameterError("request_id", f"request_id must be a string or a list of strings, got {request_id!r}")
         aborted = []
         for rid in ids:
             flight = self._flights.pop(rid, None)
