@@ -128,6 +128,9 @@ class EngineCore:
         #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
+        #: A step whose eviction failed (done again before the next step), and the error kept for the caller.
+        self._pending_eviction: ScheduledBatch | None = None
+        self._failure: Exception | None = None
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
@@ -395,7 +398,25 @@ class EngineCore:
 
     # -------------------------------------------------------------------------------------- step
     def step(self) -> EngineCoreOutputs:
-        """Run one scheduling step; report every request that got a token or finished."""
+        """Run one scheduling step; report every request that got a token or finished.
+
+        A step is all or nothing for its tokens. Whatever raises before the step's tokens exist
+        (scheduling, the forward pass, sampling) is rolled back and raised: the requests wait again,
+        holding nothing the step wrote, and the next step recomputes them (sampling is seeded by
+        token index, so the tokens are the same). Whatever fails after (the eviction press, the step's
+        statistics) does not lose them: the outputs are returned, the error is kept for
+        :meth:`take_failure` (the front end raises it once it has delivered them), and a failed
+        eviction is done again first thing next step, before anything computes, so the run goes on
+        exactly as if it had not failed. A kept failure not taken is raised by the next step.
+        """
+        self._raise_failure()
+        if self._pending_eviction is not None:
+            batch, self._pending_eviction = self._pending_eviction, None
+            try:
+                self._evict(batch)
+            except BaseException:
+                self._pending_eviction = batch  # still owed: nothing may compute until it is done
+                raise
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         try:
@@ -459,18 +480,42 @@ class EngineCore:
             scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
             outputs.append(self._output(request, [token], None if token_logprobs is None else [token_logprobs],
                                         scored or None))
+        # The step's tokens exist from here on: nothing below may lose them (see the docstring).
         if self.press is not None:
-            self._evict(batch)
-        self._record(StepStats(
-            start_time=start, duration=now - start, num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_free=self.block_manager.num_free_blocks,
-            prefix_hit_rate=self.block_manager.stats.hit_rate, num_preemptions=len(batch.preempted),
-            step=self.num_steps, num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats(),
-            **self._routing_stats()))
+            try:
+                self._evict(batch)
+            except Exception as err:
+                self._pending_eviction = batch
+                self._keep_failure(err, "the eviction press failed; it runs again before the next step")
+        try:
+            self._record(StepStats(
+                start_time=start, duration=now - start, num_prefill_tokens=num_prefill,
+                num_decode_tokens=num_decode, num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting), kv_blocks_used=self.block_manager.num_used_blocks,
+                kv_blocks_free=self.block_manager.num_free_blocks, prefix_hit_rate=self.block_manager.stats.hit_rate,
+                num_preemptions=len(batch.preempted), step=self.num_steps,
+                num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats(),
+                **self._routing_stats()))
+        except Exception as err:
+            self._keep_failure(err, "recording the step's statistics failed")
         if not self.has_unfinished_requests():
             self.threads.restore()  # the run is over: the caller's thread count is back
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
+
+    def _keep_failure(self, err: Exception, what: str) -> None:
+        logger.error("%s (the step's tokens are kept): %s: %s", what, type(err).__name__, err)
+        if self._failure is None:
+            self._failure = err
+
+    def take_failure(self) -> Exception | None:
+        """The error of the last step's work after its tokens (press, statistics), if any; taking it clears it."""
+        failure, self._failure = self._failure, None
+        return failure
+
+    def _raise_failure(self) -> None:
+        failure = self.take_failure()
+        if failure is not None:
+            raise failure
 
     def _compress_one(self) -> bool:
         """Compress the running full-precision request holding the most blocks; False if there is none."""

@@ -110,10 +110,18 @@ def run_core_loop(core: EngineCore, receive: Any, send: Any) -> None:
                 return
             message = receive(0.0)
         if core.has_unfinished_requests():
-            outputs = core.step()
+            try:
+                outputs = core.step()
+            except Exception as err:  # rolled back (see EngineCore.step): say so, and try again after a pause
+                send(CoreError(None, f"a step failed and was rolled back: {type(err).__name__}: {err}"))
+                stalled = True
+                continue
             stalled = outputs.num_scheduled_tokens == 0
             if outputs.outputs:
                 send(outputs)
+            failure = core.take_failure()  # after the step's tokens were sent: nothing is lost
+            if failure is not None:
+                send(CoreError(None, f"{type(failure).__name__}: {failure}"))
 
 
 class CoreClient:

@@ -20,7 +20,7 @@ import torch
 from minipd.engine.config import EngineConfig
 from minipd.engine.core import CPU_KV_MEMORY, EngineCore
 from minipd.engine.inputs import PromptInput, encode_prompt
-from minipd.engine.output_processor import OutputProcessor, RequestState
+from minipd.engine.output_processor import OutputProcessingError, OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
@@ -149,8 +149,8 @@ class Engine:
         return live
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return self.core.has_unfinished_requests()
+        """True while any request is waiting or running (or has an output still to apply)."""
+        return self.core.has_unfinished_requests() or self.processor.has_pending()
 
     # --------------------------------------------------------------------------------- KV moves
     def export_kv(self, request_id: str, num_tokens: int | None = None) -> PackedKV:
@@ -179,16 +179,29 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- step
     def step(self) -> list[StreamDelta]:
-        """Run one scheduling step; return a delta for every request that got a token or finished."""
+        """Run one scheduling step; return a delta for every request that got a token or finished.
+
+        A failure is raised only once nothing of the step is lost (see :meth:`EngineCore.step` and
+        :meth:`OutputProcessor.process`): its tokens are delivered to their requests (and streams)
+        first, so calling ``step`` again goes on as if it had not failed.
+        """
         before = self.core.num_steps
         deltas = self._deliver(self.core.step())
+        failure = self.core.take_failure()
+        if failure is not None:
+            raise failure
         interval = self.config.snapshot_interval
         if interval and self.core.num_steps != before and self.core.num_steps % interval == 0:
             self.save_snapshot(self.config.snapshot_path)  # type: ignore[arg-type]
         return deltas
 
     def _deliver(self, outputs: EngineCoreOutputs) -> list[StreamDelta]:
-        deltas, to_abort = self.processor.process(outputs)
+        try:
+            deltas, to_abort = self.processor.process(outputs)
+        except OutputProcessingError as err:  # the others were delivered; these end in the core too
+            self.core.abort_requests(err.to_abort, FinishReason.STOP)
+            self.core.abort_requests(err.failed, FinishReason.ABORT)
+            raise
         if to_abort:  # a stop string ended these in the front end: the core must end them too
             self.core.abort_requests(to_abort, FinishReason.STOP)
         return deltas

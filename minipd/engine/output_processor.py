@@ -12,7 +12,9 @@ the start of a stop string; it is held back until it cannot, and dropped if it d
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, Request
@@ -72,12 +74,47 @@ def _held_back(text: str, stops: list[str]) -> int:
     return longest
 
 
+class OutputProcessingError(RuntimeError):
+    """Some of a step's outputs could not be applied; every other one was (its ``deltas`` delivered).
+
+    ``errors`` maps each request that failed to its error; ``failed`` lists those ended for good
+    (the core must abort them), ``to_abort`` those a stop string ended (the core must stop them)."""
+
+    def __init__(self, errors: dict[str, Exception], deltas: list[StreamDelta], to_abort: list[str],
+                 failed: list[str]) -> None:
+        first_id, first = next(iter(errors.items()))
+        super().__init__(f"the output of request {first_id!r} could not be applied: {type(first).__name__}: "
+                         f"{first}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        self.errors, self.deltas, self.to_abort, self.failed = errors, deltas, to_abort, failed
+
+
+def _checkpoint(state: RequestState) -> Callable[[], None]:
+    """A function that puts ``state`` back as it is now (everything :meth:`OutputProcessor._apply` changes)."""
+    metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
+    detokenizer = state.detokenizer
+    saved = (len(state.token_ids), state.text, state.held, state.logprobs, state.prompt_logprobs,
+             state.finish_reason, state.stop_reason, len(detokenizer.token_ids), detokenizer.prefix_offset,
+             detokenizer.read_offset)
+
+    def restore() -> None:
+        (num_tokens, state.text, state.held, state.logprobs, state.prompt_logprobs, state.finish_reason,
+         state.stop_reason, num_detokenized, detokenizer.prefix_offset, detokenizer.read_offset) = saved
+        del state.token_ids[num_tokens:]
+        del detokenizer.token_ids[num_detokenized:]
+        for f in dataclasses.fields(metrics):  # in place: outputs already handed out share this object
+            setattr(state.metrics, f.name, getattr(metrics, f.name))
+
+    return restore
+
+
 class OutputProcessor:
     """Turns the core's token-id outputs into text deltas and finished :class:`RequestOutput` objects."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        #: Outputs that failed to apply, by request, with their step's timestamp: tried again next call.
+        self._retry: dict[str, tuple[EngineCoreOutput, float]] = {}
 
     def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                   arrival_time: float) -> RequestState:
@@ -104,22 +141,62 @@ class OutputProcessor:
             state.held += state.detokenizer.add(token_id)
         self._release_text(state)
 
+    def has_pending(self) -> bool:
+        """Whether outputs that failed to apply wait to be tried again (see :meth:`process`)."""
+        return bool(self._retry)
+
     def process(self, outputs: EngineCoreOutputs) -> tuple[list[StreamDelta], list[str]]:
-        """Apply one step's outputs; return the deltas and the ids the core must abort (stop string hit)."""
-        deltas, to_abort = [], []
-        for out in outputs.outputs:
+        """Apply one step's outputs; return the deltas and the ids the core must abort (stop string hit).
+
+        Each request's output is applied whole or not at all. One that raises (a detokeniser error, say)
+        leaves its request as it was, every other output is applied and delivered, and then
+        :class:`OutputProcessingError` is raised; the failed output is tried again first at the next call
+        (so a passing fault loses nothing), and a request whose output fails twice ends with ``"abort"``
+        (its ``stop_reason`` says why) and is named in the error for the core to abort.
+        """
+        deltas: list[StreamDelta] = []
+        to_abort: list[str] = []
+        errors: dict[str, Exception] = {}
+        failed: list[str] = []
+        retry, self._retry = self._retry, {}
+        items = [(out, ts, True) for out, ts in retry.values()] + [(out, outputs.timestamp, False)
+                                                                   for out in outputs.outputs]
+        for out, timestamp, retried in items:
             state = self.states.get(out.request_id)
             if state is None or state.finished:
                 continue  # already ended here (e.g. a stop string), the core's report comes after
-            delta = self._apply(state, out, outputs.timestamp)
+            if out.request_id in self._retry:  # an earlier output of it waits: keep the order
+                errors.setdefault(out.request_id, RuntimeError("an earlier output failed"))
+                failed.append(out.request_id)
+                continue
+            restore = _checkpoint(state)
+            try:
+                delta = self._apply(state, out, timestamp)
+            except Exception as err:
+                restore()
+                errors[out.request_id] = err
+                if retried:
+                    delta = self._end_with_error(state, err, timestamp)
+                    failed.append(out.request_id)
+                else:
+                    self._retry[out.request_id] = (out, timestamp)
+                    continue
             if state.finished:
                 del self.states[out.request_id]
-                if not out.finished:
+                if not out.finished and out.request_id not in failed:
                     to_abort.append(out.request_id)
             deltas.append(delta)
             if state.outbox is not None:
                 state.outbox.append(delta)
+        if errors:
+            raise OutputProcessingError(errors, deltas, to_abort, failed)
         return deltas, to_abort
+
+    def _end_with_error(self, state: RequestState, err: Exception, now: float) -> StreamDelta:
+        """End a request whose output cannot be applied: finish reason ``"abort"``, the error as stop reason."""
+        state.finish_reason, state.stop_reason = "abort", f"{type(err).__name__}: {err}"
+        state.metrics.finish_time = now
+        return StreamDelta(state.request_id, None, "", state.finish_reason, state.to_output)
 
     def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> StreamDelta:
         m = state.metrics

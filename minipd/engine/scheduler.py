@@ -109,17 +109,25 @@ class Scheduler:
 
     # --------------------------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's requests and token counts, allocating the KV blocks they need."""
+        """Pick this step's requests and token counts, allocating the KV blocks they need.
+
+        All or nothing: if anything raises half-way (a policy, an allocation), what was scheduled so far
+        is rolled back before the error goes on, so no request is left holding blocks for a step that
+        never ran."""
         batch = ScheduledBatch()
         self._completing.clear()
         budget = self.max_num_batched_tokens
-        if self.policy.running_first:
-            budget = self._schedule_running(batch, budget)
-            if not batch.preempted:
-                self._schedule_waiting(batch, budget)
-        else:
-            budget = self._schedule_waiting(batch, budget)
-            self._schedule_running(batch, budget)
+        try:
+            if self.policy.running_first:
+                budget = self._schedule_running(batch, budget)
+                if not batch.preempted:
+                    self._schedule_waiting(batch, budget)
+            else:
+                budget = self._schedule_waiting(batch, budget)
+                self._schedule_running(batch, budget)
+        except BaseException:
+            self.rollback(batch)
+            raise
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
