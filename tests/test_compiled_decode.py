@@ -186,5 +186,5 @@ def test_compile_decode_with_expert_parallelism_is_refused_before_any_rank_start
         raise AssertionError("an expert-parallel rank was started")
 
     monkeypatch.setattr(ranks, "RankProcess", no_ranks)
-    with pytest.raises(ValueError, match="compile_decode.*expert_parallel_size"):
+    with pytest.raises(ValueError, match=r"compile_decode.*expert_parallel_size"):
         LLM("tiny-py-moe", compile_decode=True, expert_parallel_size=2)

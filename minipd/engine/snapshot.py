@@ -4,14 +4,21 @@ A snapshot is a folder with two files:
 
 - ``manifest.json``: the format and its version, the model's shape, the :class:`~minipd.kv.spec.KVSpec`,
   and per request its tokens, sampling parameters, seed (with the token index, all the RNG state
-  sampling needs), metrics, and how many tokens of K/V were saved;
+  sampling needs), metrics, the log-probabilities reported so far, and how many tokens of K/V were
+  saved; the SHA-256 of ``kv.safetensors``, and the SHA-256 of the manifest itself;
 - ``kv.safetensors``: per request, one packed ``(2, blocks, block_size, kv_heads, head_dim)`` tensor
-  per layer, named ``{request index}.{layer}``; its SHA-256 is in the manifest.
+  per layer, named ``{request index}.{layer}``.
 
-Loading checks everything before admitting anything — format, version, model, KV format, the
-file's checksum, every tensor's shape — so a corrupt, partial or mismatched snapshot is refused with
-a clear error and the engine is left as it was. Snapshots are written to a temporary folder and
-renamed into place, so a crash while saving leaves the previous snapshot whole.
+Loading trusts nothing it reads: format, version, both checksums, the model, the KV format, every
+field of every request (types, ranges, token ids in the vocabulary, unique request ids, ids not
+already running), every tensor's shape — all before admitting anything, so a corrupt, edited,
+partial or mismatched snapshot is refused with a :class:`SnapshotError` naming the request and the
+field, and the engine is left as it was.
+
+Saving never destroys what it did not write: a path that exists and is not a minipd snapshot (a
+file, a folder of yours, a link) is refused and left alone. A snapshot is written beside its place,
+flushed to disk, and swapped in by renames, so a crash leaves the previous snapshot whole; the old
+one is then removed file by file (only the files a snapshot has).
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
-import shutil
+import secrets
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,22 +36,30 @@ from typing import TYPE_CHECKING, Any
 from minipd.kv.paged_pool import PackedKV
 from minipd.kv.spec import KVSpec
 from minipd.outputs import RequestMetrics
-from minipd.sampling_params import SamplingParams
+from minipd.sampling_params import SamplingParams, check_seed, is_integer, is_real
 
 if TYPE_CHECKING:
     from minipd.engine.engine import Engine
 
 FORMAT = "minipd-snapshot"
-VERSION = 1
+#: 2: the manifest is checksummed and carries log-probabilities (version 1 is refused: it had no checksum).
+VERSION = 2
 MANIFEST = "manifest.json"
 KV_FILE = "kv.safetensors"
+#: Every file a snapshot folder holds: nothing else is ever removed when one is replaced.
+SNAPSHOT_FILES = (MANIFEST, KV_FILE)
 
 #: SamplingParams fields saved (the private stop list is rebuilt from ``stop``).
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+_METRIC_FIELDS = {f.name for f in dataclasses.fields(RequestMetrics)}
+_ENTRY_FIELDS = {"index", "request_id", "prompt", "all_token_ids", "num_prompt_tokens", "params", "seed", "hold_kv",
+                 "num_kv_tokens", "metrics", "logprobs", "prompt_logprobs", "num_prompt_logprobs_done",
+                 "pending_prompt_logprobs"}
 
 
 class SnapshotError(ValueError):
-    """A snapshot that cannot be loaded: corrupt, partial, or made for another model or KV format."""
+    """A snapshot that cannot be loaded (corrupt, edited, partial, or made for another model or KV format),
+    or a path a snapshot cannot be saved to."""
 
 
 def model_fingerprint(engine: Engine) -> dict[str, Any]:
@@ -55,11 +71,49 @@ def model_fingerprint(engine: Engine) -> dict[str, Any]:
             "max_model_len": engine.max_model_len}
 
 
+def _logprobs_to_json(table: list[dict[int, float] | None] | None) -> list | None:
+    """Log-probabilities as JSON can hold them: each position a list of ``[token, logprob]`` (or None)."""
+    if table is None:
+        return None
+    return [None if row is None else [[int(t), float(lp)] for t, lp in row.items()] for row in table]
+
+
+def _logprobs_from_json(table: list | None) -> list[dict[int, float] | None] | None:
+    if table is None:
+        return None
+    return [None if row is None else {t: lp for t, lp in row} for row in table]
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON, its own checksum field left out."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def is_snapshot(path: Path) -> bool:
+    """Whether ``path`` is a folder minipd wrote as a snapshot: our manifest, and no file a snapshot lacks."""
+    if path.is_symlink() or not path.is_dir() or not (path / MANIFEST).is_file():
+        return False
+    if any(child.name not in SNAPSHOT_FILES for child in path.iterdir()):
+        return False  # someone keeps other things here: replacing it would delete them
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
-    """Write every unfinished request of ``engine`` and its computed K/V to the folder ``path``."""
+    """Write every unfinished request of ``engine`` and its computed K/V to the folder ``path``.
+
+    ``path`` must not exist, or be a snapshot minipd wrote (which is replaced whole); anything else is
+    refused with :class:`SnapshotError` and left as it is.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
+    if path.is_symlink() or (path.exists() and not is_snapshot(path)):
+        raise SnapshotError(f"{path} exists and is not a minipd snapshot; it was left alone: save the snapshot "
+                            "to a new path (or to a snapshot folder minipd wrote, which is replaced)")
     entries, tensors = [], {}
     for index, state in enumerate(engine.processor.states.values()):
         request = state.request
@@ -79,12 +133,17 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
                 tensors[f"{index}.{layer}.v_scales"] = v_scales.contiguous().cpu()
             if packed.tail is not None:  # a KIVI tail, exactly as its residual window holds it
                 tensors[f"{index}.tail"] = packed.tail.contiguous().cpu()
+        metrics = {f: getattr(state.metrics, f) for f in _METRIC_FIELDS if f != "kv_timeline"}
         entries.append({
             "index": index, "request_id": state.request_id, "prompt": state.prompt,
             "all_token_ids": list(request.all_token_ids), "num_prompt_tokens": request.num_prompt_tokens,
             "params": {name: getattr(state.params, name) for name in _PARAM_FIELDS},
-            "seed": request.seed, "hold_kv": request.hold_kv, "num_kv_tokens": num_kv,
-            "metrics": {f.name: getattr(state.metrics, f.name) for f in dataclasses.fields(RequestMetrics)},
+            "seed": request.seed, "hold_kv": request.hold_kv, "num_kv_tokens": num_kv, "metrics": metrics,
+            # What was reported so far, and the prompt's scores computed but not reported yet.
+            "logprobs": _logprobs_to_json(state.logprobs),
+            "prompt_logprobs": _logprobs_to_json(state.prompt_logprobs),
+            "num_prompt_logprobs_done": request.num_prompt_logprobs_done,
+            "pending_prompt_logprobs": _logprobs_to_json(request.pending_prompt_logprobs),
         })
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
@@ -92,19 +151,44 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
         kv_path = staging / KV_FILE
         save_file(tensors, str(kv_path), metadata={"format": FORMAT})
         manifest = {"format": FORMAT, "version": VERSION, "model": model_fingerprint(engine),
-                    "kv_spec": engine.core.kv_spec.to_dict(), "kv_sha256": _sha256(kv_path),
-                    "requests": entries}
+                    "kv_spec": engine.core.kv_spec.to_dict(), "kv_sha256": _sha256(kv_path), "requests": entries}
+        manifest["manifest_sha256"] = manifest_checksum(manifest)
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        # Swap in whole: a crash before this line leaves the previous snapshot as it was.
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
+        for name in SNAPSHOT_FILES:
+            _fsync(staging / name)
+        _fsync(staging)
+        # Swap in whole: a crash before the second rename leaves the previous snapshot (or its renamed
+        # copy) as it was.
+        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}") if path.exists() else None
+        if old is not None:
             path.rename(old)
         staging.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        _fsync(path.parent)
+        if old is not None:
+            _remove_snapshot(old)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging.exists():
+            _remove_snapshot(staging)
     return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_snapshot(folder: Path) -> None:
+    """Remove a folder this module wrote: its snapshot files, then the folder (never anything else in it)."""
+    for name in SNAPSHOT_FILES:
+        (folder / name).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # something else is in it: not ours to delete
+        pass
 
 
 def load_snapshot(engine: Engine, path: str | os.PathLike) -> list[str]:
@@ -115,30 +199,144 @@ def load_snapshot(engine: Engine, path: str | os.PathLike) -> list[str]:
     path = Path(path)
     manifest = _read_manifest(path)
     _check_compatible(engine, manifest, path)
+    checked = [_check_entry(engine, manifest, i, entry, path) for i, entry in enumerate(manifest["requests"])]
+    ids = [c["request_id"] for c in checked]
+    duplicate = next((i for i in ids if ids.count(i) > 1), None)
+    if duplicate is not None:
+        raise SnapshotError(f"{path / MANIFEST}: request id {duplicate!r} appears more than once")
+    indexes = [c["index"] for c in checked]
+    if len(set(indexes)) != len(indexes):
+        raise SnapshotError(f"{path / MANIFEST}: two requests share a K/V index")
     packed = _read_kv(path, manifest, engine.core.kv_spec)
     states = []
-    for entry in manifest["requests"]:
+    for entry in checked:
         try:
-            params = SamplingParams(**entry["params"])
-            ids = entry["all_token_ids"][:entry["num_prompt_tokens"]]
-            state = engine.make_request(ids, params, request_id=entry["request_id"],
-                                        hold_kv=entry["hold_kv"], num_external_tokens=entry["num_kv_tokens"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise SnapshotError(f"{path / MANIFEST}: request {entry.get('request_id')!r} cannot be restored: "
+            state = engine.make_request(entry["all_token_ids"][:entry["num_prompt_tokens"]], entry["sampling"],
+                                        request_id=entry["request_id"], hold_kv=entry["hold_kv"],
+                                        num_external_tokens=entry["num_kv_tokens"])
+        except ValueError as err:
+            raise SnapshotError(f"{path / MANIFEST}: request {entry['request_id']!r} cannot be restored: "
                                 f"{err}") from None
         request = state.request
         request.all_token_ids[:] = entry["all_token_ids"]
         request.seed = entry["seed"]
+        request.num_prompt_logprobs_done = entry["num_prompt_logprobs_done"]
+        request.pending_prompt_logprobs = _logprobs_from_json(entry["pending_prompt_logprobs"]) or []
         state.prompt = entry["prompt"]
         state.metrics = RequestMetrics(**entry["metrics"])
-        if entry["num_kv_tokens"] >= request.num_tokens:
-            raise SnapshotError(f"{path / MANIFEST}: request {entry['request_id']!r} has K/V for more tokens "
-                                "than it holds")
-        states.append((state, packed.get(entry["index"])))
-    for state, kv in states:
+        states.append((state, packed.get(entry["index"]), entry))
+    for state, kv, entry in states:
         engine.add(state, kv=kv)
         engine.processor.replay(state, state.request.output_token_ids)
-    return [state.request_id for state, _ in states]
+        state.logprobs = _logprobs_from_json(entry["logprobs"])
+        state.prompt_logprobs = _logprobs_from_json(entry["prompt_logprobs"])
+    return [state.request_id for state, _, _ in states]
+
+
+def _check_entry(engine: Engine, manifest: dict[str, Any], position: int, entry: Any, path: Path) -> dict[str, Any]:
+    """Every field of one saved request, checked; returns them (with the rebuilt ``SamplingParams`` as
+    ``sampling``). Raises :class:`SnapshotError` naming the request and the field."""
+    where = f"{path / MANIFEST}: requests[{position}]"
+
+    def bad(field: str, what: str) -> SnapshotError:
+        rid = entry.get("request_id") if isinstance(entry, dict) else None
+        return SnapshotError(f"{where}{f' (request {rid!r})' if isinstance(rid, str) else ''}: {field} {what}")
+
+    if not isinstance(entry, dict):
+        raise SnapshotError(f"{where} is not an object")
+    missing = sorted(_ENTRY_FIELDS - set(entry))
+    if missing:
+        raise bad(missing[0], "is missing")
+    unknown = sorted(set(entry) - _ENTRY_FIELDS)
+    if unknown:
+        raise bad(unknown[0], "is not a snapshot field")
+    vocab, max_len = engine.core.model.config.vocab_size, engine.max_model_len
+    rid = entry["request_id"]
+    if not isinstance(rid, str) or not rid:
+        raise bad("request_id", f"must be a non-empty string, got {rid!r}")
+    if rid in engine.processor.states or rid in engine.core.requests:
+        raise bad("request_id", "is already running in this engine")
+    if not is_integer(entry["index"]) or entry["index"] < 0:
+        raise bad("index", f"must be an integer >= 0, got {entry['index']!r}")
+    if entry["prompt"] is not None and not isinstance(entry["prompt"], str):
+        raise bad("prompt", f"must be a string or null, got {type(entry['prompt']).__name__}")
+    tokens = entry["all_token_ids"]
+    if not isinstance(tokens, list) or not all(is_integer(t) and 0 <= t < vocab for t in tokens):
+        raise bad("all_token_ids", f"must be a list of token ids in [0, {vocab})")
+    if not 0 < len(tokens) < max_len:
+        raise bad("all_token_ids", f"must hold 1 to {max_len - 1} tokens (the model's context), got {len(tokens)}")
+    num_prompt = entry["num_prompt_tokens"]
+    if not is_integer(num_prompt) or not 1 <= num_prompt <= len(tokens):
+        raise bad("num_prompt_tokens", f"must be an integer in [1, {len(tokens)}], got {num_prompt!r}")
+    if not isinstance(entry["params"], dict):
+        raise bad("params", "must be an object")
+    try:
+        sampling = SamplingParams(**entry["params"])
+    except TypeError as err:  # an unknown or missing parameter
+        raise bad("params", f"is not a set of sampling parameters ({err})") from None
+    except ValueError as err:
+        raise bad(f"params.{getattr(err, 'param', '')}".rstrip("."), f"is not valid: {err}") from None
+    if len(tokens) - num_prompt >= sampling.max_tokens:
+        raise bad("all_token_ids", f"holds {len(tokens) - num_prompt} output tokens, which a request with "
+                                   f"max_tokens={sampling.max_tokens} would have finished")
+    try:
+        seed = check_seed("seed", entry["seed"])
+    except ValueError as err:
+        raise bad("seed", f"is not valid: {err}") from None
+    if seed is None:
+        raise bad("seed", "must be the request's integer seed, got null")
+    if not isinstance(entry["hold_kv"], bool):
+        raise bad("hold_kv", f"must be true or false, got {entry['hold_kv']!r}")
+    num_kv = entry["num_kv_tokens"]
+    if not is_integer(num_kv) or not 0 <= num_kv < len(tokens):
+        raise bad("num_kv_tokens", f"must be an integer in [0, {len(tokens) - 1}], got {num_kv!r}")
+    done = entry["num_prompt_logprobs_done"]
+    if not is_integer(done) or not 1 <= done <= num_prompt:
+        raise bad("num_prompt_logprobs_done", f"must be an integer in [1, {num_prompt}], got {done!r}")
+    _check_metrics(entry["metrics"], bad)
+    outputs = len(tokens) - num_prompt
+    for field, rows, allow_none_rows in (("logprobs", outputs, False), ("prompt_logprobs", None, True),
+                                         ("pending_prompt_logprobs", None, False)):
+        _check_logprobs(entry[field], field, vocab, rows, allow_none_rows, bad)
+    return {**entry, "seed": seed, "sampling": sampling}
+
+
+def _check_metrics(metrics: Any, bad: Any) -> None:
+    if not isinstance(metrics, dict):
+        raise bad("metrics", "must be an object")
+    for name, value in metrics.items():
+        if name not in _METRIC_FIELDS or name == "kv_timeline":
+            raise bad(f"metrics.{name}", "is not a metric a snapshot keeps")
+        if name == "token_times":
+            ok = isinstance(value, list) and all(is_real(t) for t in value)
+        elif name in ("prefill_tokens", "cached_tokens", "preemptions", "kv_transfer_bytes"):
+            ok = is_integer(value) and value >= 0
+        elif name in ("prefill_worker", "decode_worker"):
+            ok = value is None or isinstance(value, str)
+        elif name == "arrival_time":
+            ok = is_real(value)
+        else:
+            ok = value is None or is_real(value)
+        if not ok:
+            raise bad(f"metrics.{name}", f"has a value of the wrong type or range: {value!r}")
+    if "arrival_time" not in metrics:
+        raise bad("metrics.arrival_time", "is missing")
+
+
+def _check_logprobs(table: Any, field: str, vocab: int, rows: int | None, allow_none_rows: bool, bad: Any) -> None:
+    """None, or a list of positions, each a list of ``[token id, finite or -inf logprob]`` pairs."""
+    if table is None:
+        return
+    if not isinstance(table, list) or (rows is not None and len(table) != rows):
+        raise bad(field, f"must be null or a list{f' of {rows} positions' if rows is not None else ''}")
+    for row in table:
+        if row is None and allow_none_rows:
+            continue
+        if not isinstance(row, list) or not all(
+                isinstance(pair, list) and len(pair) == 2 and is_integer(pair[0]) and 0 <= pair[0] < vocab
+                and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+                and (math.isfinite(pair[1]) or pair[1] == -math.inf) for pair in row):
+            raise bad(field, "must hold [token id, log-probability] pairs")
 
 
 def _sha256(path: Path) -> str:
@@ -161,7 +359,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise SnapshotError(f"{manifest_path} is not a minipd snapshot")
     if manifest.get("version") != VERSION:
         raise SnapshotError(f"{manifest_path} is snapshot version {manifest.get('version')!r}; this minipd reads "
-                            f"version {VERSION}")
+                            f"version {VERSION}" + (" (version 1 manifests had no checksum: take the snapshot again)"
+                                                    if manifest.get("version") == 1 else ""))
+    if manifest.get("manifest_sha256") != manifest_checksum(manifest):
+        raise SnapshotError(f"{manifest_path} does not match its own checksum: it was edited or corrupted after "
+                            "it was written")
     if not isinstance(manifest.get("requests"), list):
         raise SnapshotError(f"{manifest_path} lists no requests: the snapshot is corrupt")
     return manifest
@@ -229,4 +431,4 @@ def _read_kv(path: Path, manifest: dict[str, Any], spec: KVSpec) -> dict[int, Pa
     return packed
 
 
-__all__ = ["SnapshotError", "load_snapshot", "save_snapshot"]
+__all__ = ["SnapshotError", "is_snapshot", "load_snapshot", "save_snapshot"]
