@@ -157,6 +157,23 @@ class LLM:
                         self.engine.abort(state.request_id)
         return [s.to_output() for s in states]
 
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's ``LLM.chat``: one ``RequestOutput`` per conversation.
+
+        ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}``) or a list of them;
+        each is rendered with the tokenizer's chat template (or ``chat_template``) and generated from.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list) or not conversations:
+            raise ParameterError("messages", "messages must be a conversation (a list of {'role', 'content'} "
+                                             "dicts) or a non-empty list of them")
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> RequestStream:
         """Queue ``prompt`` now and return its :class:`RequestStream`: one :class:`StreamDelta` per token.
 

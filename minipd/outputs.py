@@ -126,6 +126,9 @@ class StreamDelta:
     text: str
     finish_reason: str | None
     _snapshot: Callable[[], RequestOutput] = field(repr=False, compare=False)
+    #: With ``SamplingParams(logprobs=k)``: this token's {token id: log-probability} (the token and the k
+    #: most likely), so a stream reads its log-probabilities at O(1) per token, without ``output``.
+    logprobs: dict[int, float] | None = None
 
     @property
     def finished(self) -> bool:

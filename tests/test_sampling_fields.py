@@ -140,3 +140,19 @@ def test_every_sampling_error_names_its_field(kwargs, param):
         SamplingParams(**kwargs)
     assert caught.value.param == param
     assert isinstance(caught.value, ValueError)
+
+
+def test_chat_renders_the_bundled_template_and_equals_generate_on_its_text():
+    tiny = LLM("tiny-py")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    conversation = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a sort\nplease"}]
+    text = tiny.tokenizer.apply_chat_template(conversation)
+    assert text == "# system: You write Python.\n# user: a sort\n# please\n# assistant:\n"
+    (reply,) = tiny.chat(conversation, greedy)
+    assert reply.token_ids == tiny.generate(text, greedy)[0].token_ids and reply.prompt == text
+    assert len(tiny.chat([conversation, conversation[1:]], greedy)) == 2
+    for bad, param in [([], "messages"), ([{"role": "user"}], "messages[0]"), ([{"role": 1, "content": "x"}],
+                                                                                "messages[0]")]:
+        with pytest.raises(ParameterError) as refused:
+            tiny.chat(bad, greedy)
+        assert refused.value.param == param

@@ -223,7 +223,8 @@ class OutputProcessor:
         text = self._release_text(state)
         if state.finished:
             m.finish_time = now
-        return StreamDelta(state.request_id, token_id, text, state.finish_reason, state.to_output)
+        return StreamDelta(state.request_id, token_id, text, state.finish_reason, state.to_output,
+                           logprobs=out.new_logprobs[-1] if out.new_logprobs else None)
 
     @staticmethod
     def _release_text(state: RequestState) -> str:

@@ -442,14 +442,19 @@ class DisaggregatedLLM:
     def _encode(self, prompt: PromptInput, index: int) -> tuple[list[int], str | None]:
         return encode_prompt(self.tokenizer, prompt, index, self.config.vocab_size, self.max_model_len)
 
-    def _submit_one(self, prompt: PromptInput, sampling_params: SamplingParams | None, what: str) -> RequestState:
+    def _submit_one(self, prompt: PromptInput, sampling_params: SamplingParams | None, what: str,
+                    request_id: str | None = None) -> RequestState:
         prompts = normalize_prompts(prompt)
         if len(prompts) != 1:
             raise ValueError(f"{what} takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ParameterError("request_id", f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id is not None and request_id in self._flights:
+            raise ParameterError("request_id", f"request_id {request_id!r} is already in use by a running request")
         ids, text = self._encode(prompts[0], 0)
         self._check_fits(ids, params, 0)
-        return self._submit(ids, text, params)
+        return self._submit(ids, text, params, request_id)
 
     def _check_fits(self, ids: list[int], params: SamplingParams, index: int) -> None:
         """Refuse a request that could never fit the smallest worker pool, however long it waited."""
@@ -457,14 +462,16 @@ class DisaggregatedLLM:
         check_fits_pool(len(ids), params.max_tokens, self.max_model_len, self.block_size, smallest,
                         f"prompts[{index}]", "the workers' pools have")
 
-    def _submit(self, ids: list[int], text: str | None, params: SamplingParams) -> RequestState:
+    def _submit(self, ids: list[int], text: str | None, params: SamplingParams,
+                request_id: str | None = None) -> RequestState:
         if self._closed:
             raise RuntimeError("this DisaggregatedLLM is shut down")
         # Routing asks which workers are alive; launched ones are judged by heartbeats that may have
         # waited unread while nobody called us.
         self._pump(0.0)
-        request_id = str(self._next_id)
-        self._next_id += 1
+        while request_id is None or request_id in self._flights:  # automatic ids skip callers' ids
+            request_id = str(self._next_id)
+            self._next_id += 1
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         state = self.processor.new_state(request_id, text, ids, params, time.perf_counter())
         request = Request(request_id=request_id, all_token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
