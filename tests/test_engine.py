@@ -263,3 +263,28 @@ def test_interleaved_streams_each_get_every_token(model_dir):
                 got[name].append(delta.token_id)
     assert [got["a"], got["b"]] == expected
     assert_pool_is_whole(llm.engine)
+
+
+def test_counters_and_step_stats_carry_what_metrics_and_a_step_model_need():
+    from minipd import LLM, SamplingParams
+
+    llm = LLM("tiny-py", max_num_batched_tokens=16)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [30, 31, 32]]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)]
+    ids = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    states = [llm.engine.processor.states[i] for i in ids]
+    for _ in range(4):
+        llm.engine.step()
+    llm.abort(ids[1])
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    counters = llm.engine.processor.counters
+    assert counters.prompt_tokens == 23 and counters.finished == {"length": 1, "abort": 1}
+    assert counters.generation_tokens == sum(len(s.token_ids) for s in states) > 5
+    first = llm.engine.step_stats[0]
+    # Step 0: a 16-token chunk of the first prompt (the budget), nothing else fits.
+    assert first.prefill_chunk_sizes == (16,) and first.num_context_tokens == 16
+    second = llm.engine.step_stats[1]
+    assert second.prefill_chunk_sizes == (4, 3) and second.num_context_tokens == 20 + 3
+    assert second.prefix_queried_tokens >= first.prefix_queried_tokens

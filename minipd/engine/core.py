@@ -494,7 +494,12 @@ class EngineCore:
                 num_waiting=len(self.scheduler.waiting), kv_blocks_used=self.block_manager.num_used_blocks,
                 kv_blocks_free=self.block_manager.num_free_blocks, prefix_hit_rate=self.block_manager.stats.hit_rate,
                 num_preemptions=len(batch.preempted), step=self.num_steps,
-                num_waiting_for_kv=len(self.scheduler.waiting_for_kv), **self._adaptive_stats(),
+                num_waiting_for_kv=len(self.scheduler.waiting_for_kv),
+                num_context_tokens=sum(request.num_computed_tokens for request, _ in batch.entries),
+                prefill_chunk_sizes=tuple(n for (_, n), is_decode in zip(batch.entries, decodes, strict=True)
+                                          if not is_decode),
+                prefix_queried_tokens=self.block_manager.stats.queried_tokens,
+                prefix_hit_tokens=self.block_manager.stats.hit_tokens, **self._adaptive_stats(),
                 **self._routing_stats()))
         except Exception as err:
             self._keep_failure(err, "recording the step's statistics failed")

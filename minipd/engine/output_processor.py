@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, Request
+from minipd.engine.stats import RequestCounters
 from minipd.outputs import RequestMetrics, RequestOutput, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -113,6 +114,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        #: Prompt and generated tokens, and finished requests by reason, over every request served.
+        self.counters = RequestCounters()
         #: Outputs that failed to apply, by request, with their step's timestamp: tried again next call.
         self._retry: dict[str, tuple[EngineCoreOutput, float]] = {}
 
@@ -126,6 +129,7 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         """Follow ``state``'s request from now on."""
         self.states[state.request_id] = state
+        self.counters.prompt_tokens += len(state.prompt_token_ids)
 
     def watch(self, request_id: str) -> deque[StreamDelta]:
         """Keep every future delta of ``request_id`` in a queue, so several streams can share the engine."""
@@ -181,8 +185,12 @@ class OutputProcessor:
                 else:
                     self._retry[out.request_id] = (out, timestamp)
                     continue
+            if out.request_id not in errors:  # (applied, not ended by an error)
+                self.counters.generation_tokens += len(out.new_token_ids)
             if state.finished:
                 del self.states[out.request_id]
+                finished = self.counters.finished
+                finished[state.finish_reason] = finished.get(state.finish_reason, 0) + 1  # type: ignore[index]
                 if not out.finished and out.request_id not in failed:
                     to_abort.append(out.request_id)
             deltas.append(delta)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,14 @@ class StepStats:
     step: int = 0
     #: Requests holding blocks while their K/V arrive from elsewhere.
     num_waiting_for_kv: int = 0
+    #: Every scheduled request's context after the step (its K/V length read by its last query): with the
+    #: chunk sizes, what a step-time model needs to know about the attention a step did.
+    num_context_tokens: int = 0
+    #: The size of each prefill chunk computed this step, in batch order (decodes are not listed).
+    prefill_chunk_sizes: tuple[int, ...] = ()
+    #: Prompt tokens looked up in the prefix cache, and found there, since the engine started (counters).
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
     #: Adaptive KV precision (``kv_cache_dtype="adaptive"``): the pool's usage (bytes), whether new
     #: requests are being compressed, how often that has switched so far, running compressed requests,
     #: and running requests compressed in place to make room so far.
@@ -41,3 +49,15 @@ class StepStats:
     def num_tokens(self) -> int:
         """Tokens computed this step."""
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class RequestCounters:
+    """Counters a front end keeps over every request it served (what a metrics endpoint exports)."""
+
+    #: Prompt tokens of the requests received.
+    prompt_tokens: int = 0
+    #: Output tokens delivered.
+    generation_tokens: int = 0
+    #: Requests finished, by finish reason (``"stop"``, ``"length"``, ``"abort"``).
+    finished: dict[str, int] = field(default_factory=dict)
