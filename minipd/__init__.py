@@ -5,13 +5,52 @@
     print(llm.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=32))[0].text)
 """
 
-from minipd.async_llm import AsyncLLM
-from minipd.llm import LLM
-from minipd.outputs import RequestMetrics, RequestOutput, RequestStream, StreamDelta
-from minipd.pd import DisaggregatedLLM
-from minipd.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (for type checkers and editors; at run time each name is imported on first use)
+    from minipd.async_llm import AsyncLLM
+    from minipd.llm import LLM
+    from minipd.outputs import RequestMetrics, RequestOutput, RequestStream, StreamDelta
+    from minipd.pd.llm import DisaggregatedLLM
+    from minipd.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "DisaggregatedLLM", "RequestMetrics", "RequestOutput", "RequestStream", "SamplingParams",
-           "StreamDelta", "__version__"]
+#: Where each public name lives; imported when first asked for, so importing a light module of this
+#: package (the scheduler, say) does not pull in torch.
+_WHERE = {
+    "AsyncLLM": "minipd.async_llm",
+    "DisaggregatedLLM": "minipd.pd.llm",
+    "LLM": "minipd.llm",
+    "RequestMetrics": "minipd.outputs",
+    "RequestOutput": "minipd.outputs",
+    "RequestStream": "minipd.outputs",
+    "SamplingParams": "minipd.sampling_params",
+    "StreamDelta": "minipd.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "DisaggregatedLLM",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "StreamDelta",
+    "__version__",
+]
