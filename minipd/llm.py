@@ -78,6 +78,9 @@ class LLM:
             # Stop the ranks when this LLM is collected or the interpreter exits, if close() was not called.
             self._finalizer = weakref.finalize(self, self.expert_parallel.close)
         self.engine = Engine(self.model, self.tokenizer, engine_config, self.max_model_len, frozenset(eos), seed)
+        #: The model as this LLM's engine runs it (its own view of the loaded weights: packed or quantized
+        #: linears, MoE settings); swap a part here and generate() uses it.
+        self.model = self.engine.core.model
         # One lock around the engine: threads submit and step in turn, never at once.
         self._lock = threading.RLock()
         logger.info("KV pool: %d blocks of %d tokens = %d tokens (%.1f MiB)", self.engine.pool.num_blocks,

@@ -288,3 +288,46 @@ def test_counters_and_step_stats_carry_what_metrics_and_a_step_model_need():
     second = llm.engine.step_stats[1]
     assert second.prefill_chunk_sizes == (4, 3) and second.num_context_tokens == 20 + 3
     assert second.prefix_queried_tokens >= first.prefix_queried_tokens
+
+
+def test_engines_on_one_model_keep_their_own_linears_and_leave_the_model_alone():
+    from minipd import LLM, SamplingParams
+    from minipd.engine.config import EngineConfig
+    from minipd.engine.engine import Engine
+    from minipd.kernels.cpu_linear import PackedLinear, onednn_available
+    from minipd.kernels.int8_linear import Int8Linear
+    from minipd.models import load_model
+
+    model, _ = load_model("tiny-py", device="cpu")
+    llm = LLM("tiny-py")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = llm.generate("def fib(n):", greedy)[0].token_ids
+
+    def engine(**options) -> Engine:
+        return Engine(model, llm.tokenizer, EngineConfig(num_kv_blocks=64, **options), llm.max_model_len,
+                      llm.engine.eos_token_ids)
+
+    packed = engine(linear_backend="onednn") if onednn_available() else None
+    plain = engine(linear_backend="torch")
+    int8 = engine(weight_dtype="int8")
+    assert plain.core.linear_backend == "torch" and not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    if packed is not None:
+        assert packed.core.linear_backend == "onednn"
+        assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+        # An engine built on a packed engine's model chooses for itself too.
+        again = Engine(packed.model, llm.tokenizer, EngineConfig(num_kv_blocks=64, linear_backend="torch"),
+                       llm.max_model_len, llm.engine.eos_token_ids)
+        assert again.core.linear_backend == "torch"
+        assert not any(isinstance(m, PackedLinear) for m in again.model.modules())
+    assert any(isinstance(m, Int8Linear) for m in int8.model.modules())
+    # The model itself was not changed, and its weights were shared, not copied.
+    assert all(type(m).__name__ not in ("PackedLinear", "Int8Linear") for m in model.modules())
+    assert plain.model.embed_tokens.weight is model.embed_tokens.weight
+    with pytest.raises(ValueError, match="quantized to int8"):
+        Engine(int8.model, llm.tokenizer, EngineConfig(num_kv_blocks=64), llm.max_model_len, llm.engine.eos_token_ids)
+    for e in [plain] + ([packed] if packed is not None else []):
+        state = e.make_request("def fib(n):", greedy)
+        e.add(state)
+        while e.has_unfinished_requests():
+            e.step()
+        assert state.token_ids == want

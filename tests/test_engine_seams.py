@@ -418,7 +418,7 @@ def test_a_step_that_raises_leaves_no_trace(monkeypatch, llm, code_ids, hf_greed
         if len(calls) == 2:
             raise RuntimeError("injected failure")
 
-    handle = llm.model.layers[1].register_forward_hook(fail_second_step)
+    handle = engine.model.layers[1].register_forward_hook(fail_second_step)
     try:
         if via == "generate":
             with pytest.raises(RuntimeError, match="injected"):
@@ -467,7 +467,7 @@ def test_a_failed_step_leaves_no_trace_in_the_counters(llm, code_ids):
     def fail(*_):
         raise RuntimeError("injected")
 
-    handle = llm.model.layers[1].register_forward_hook(fail)
+    handle = engine.model.layers[1].register_forward_hook(fail)
     state = engine.make_request(prompt, greedy(3))
     engine.add(state)
     try:

@@ -37,6 +37,7 @@ from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
 from minipd.kv.spec import KVSpec
 from minipd.layers.moe import MoE
 from minipd.models.decoder import DecoderModel
+from minipd.models.view import module_view
 
 if TYPE_CHECKING:
     from minipd.engine.compiled_decode import CompiledDecode
@@ -62,6 +63,9 @@ class EngineCore:
     """A continuous-batching engine over a paged KV cache for one model, driven by plain messages."""
 
     def __init__(self, model: DecoderModel, config: EngineConfig, max_model_len: int) -> None:
+        # The engine's own view of the model (same weight tensors): the linears it packs or quantizes and
+        # the MoE settings it makes stay its own, not those of the caller or of another engine on it.
+        model = module_view(model)  # type: ignore[assignment]
         self.model = model
         self.config = config
         self.max_model_len = max_model_len
@@ -73,11 +77,14 @@ class EngineCore:
         self.default_threads = torch.get_num_threads()
         #: The per-step thread count, held across the steps of a run and given back when it ends.
         self.threads = StepThreads()
-        if config.weight_dtype == "int8":
-            from minipd.kernels.int8_linear import Int8Linear, quantize_linears
+        from minipd.kernels.int8_linear import Int8Linear, quantize_linears
 
-            if not any(isinstance(m, Int8Linear) for m in model.modules()):
-                quantize_linears(model)
+        if any(isinstance(m, Int8Linear) for m in model.modules()):
+            if config.weight_dtype != "int8":  # its float weights are gone: say so rather than run int8 silently
+                raise ValueError("this model's linears were quantized to int8 (weight_dtype='int8' by another "
+                                 "engine): pass weight_dtype='int8', or load the model again for float weights")
+        elif config.weight_dtype == "int8":
+            quantize_linears(model)
         #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`).
         self.linear_backend = self._set_linear_backend(model, config.linear_backend)
         adaptive = config.kv_cache_dtype == "adaptive"
@@ -181,10 +188,9 @@ class EngineCore:
 
     def _set_linear_backend(self, model: DecoderModel, backend: str) -> str:
         """Pack the linears for oneDNN when asked, or by default for fp32 on a CPU that has it."""
-        from minipd.kernels.cpu_linear import PackedLinear, onednn_available, pack_linears
+        from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
 
-        if any(isinstance(m, PackedLinear) for m in model.modules()):
-            return "onednn"  # packed by an earlier engine over the same model
+        unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
         if backend == "auto":
             backend = "onednn" if (self.device.type == "cpu" and self.dtype == torch.float32
                                    and onednn_available()) else "torch"

@@ -41,7 +41,7 @@ class Engine:
                  eos_token_ids: frozenset[int], seed: int | None = None) -> None:
         self.core = EngineCore(model, config, max_model_len)
         self.processor = OutputProcessor(tokenizer)
-        self.model = model
+        self.model = self.core.model  # the engine's own view of ``model`` (see EngineCore)
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len = max_model_len

@@ -99,4 +99,21 @@ def pack_linears(model: nn.Module) -> int:
     return swapped
 
 
-__all__ = ["SMALL_ROWS", "PackedLinear", "onednn_available", "pack_linears"]
+def unpack_linears(model: nn.Module) -> int:
+    """Turn every :class:`PackedLinear` of ``model`` back into the plain ``nn.Linear`` it packs (same weight and
+    bias tensors, nothing copied); returns how many. An engine does this on its own view of a model
+    another engine packed, so that its ``linear_backend`` is its own choice."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear.__new__(nn.Linear)
+                nn.Module.__init__(plain)
+                plain.in_features, plain.out_features = child.in_features, child.out_features
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
+                swapped += 1
+    return swapped
+
+
+__all__ = ["SMALL_ROWS", "PackedLinear", "onednn_available", "pack_linears", "unpack_linears"]
