@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from minipd._lazy import lazy_exports
 
 if TYPE_CHECKING:  # (for type checkers and editors; at run time each name is imported on first use)
     from minipd.kv.block_manager import BlockAllocation, BlockManager
@@ -24,15 +25,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
-
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
 __all__ = ["BlockAllocation", "BlockManager", "ContiguousKVCache", "KVCache", "PagedAttentionMetadata", "PagedKVCache",
            "PagedKVPool"]
