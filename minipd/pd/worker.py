@@ -145,8 +145,10 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
     if threads:
         torch.set_num_threads(threads)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent and backend at INFO
+    from minipd.kernels.cpu_paged_attention import NO_BUILD_ENV
+
     # Never compile the C++ kernel here: a build takes a minute, and the front end is waiting.
-    os.environ.setdefault("MINIPD_NO_KERNEL_BUILD", "1")
+    os.environ.setdefault(NO_BUILD_ENV, "1")
     host = transport.get("host", "127.0.0.1")
     if is_loopback(host):
         # UCX (NIXL's backend) otherwise listens on every interface the machine has.
@@ -259,6 +261,9 @@ class _Worker:
             elif kind == "abort":
                 now = []
                 for request_id in message[1]:
+                    pending = kv.pending_loads.get(request_id)
+                    if pending is not None:  # its read never started: the holder may free its blocks now
+                        self.kv_worker.notify(pending.peer, request_id)
                     kv.cancel(request_id)
                     if request_id in self.kv_worker.loads:
                         # A read is landing in its blocks: free them once it has landed or failed, never
