@@ -147,8 +147,8 @@ class DisaggregatedLLM:
             hand or by ``torchrun`` with ``python -m minipd worker --role prefill --connect
             tcp://FRONT-END-HOST:5557``. The model argument is sent to them as given, so it must name the
             same model on their machines. Every message is signed with the cluster secret (``secret``).
-        secret: with ``listen``, the key every message is signed with: the secret itself (at least 16
-            bytes) or a path to a file holding it; by default ``MINIPD_CLUSTER_SECRET``, else the file
+        secret: with ``listen``, the key every message is signed with: the secret itself (``str`` or
+            ``bytes``, at least 16 bytes) or a ``pathlib.Path`` to a file holding it; by default ``MINIPD_CLUSTER_SECRET``, else the file
             ``MINIPD_CLUSTER_SECRET_FILE``, else ``~/.config/minipd/cluster-secret`` (created, readable
             by this user only, when missing). Workers on other machines need the same secret. Spawned
             workers get a fresh random key instead.
