@@ -148,10 +148,10 @@ class DisaggregatedLLM:
             tcp://FRONT-END-HOST:5557``. The model argument is sent to them as given, so it must name the
             same model on their machines. Every message is signed with the cluster secret (``secret``).
         secret: with ``listen``, the key every message is signed with: the secret itself (``str`` or
-            ``bytes``, at least 16 bytes) or a ``pathlib.Path`` to a file holding it; by default ``MINIPD_CLUSTER_SECRET``, else the file
-            ``MINIPD_CLUSTER_SECRET_FILE``, else ``~/.config/minipd/cluster-secret`` (created, readable
-            by this user only, when missing). Workers on other machines need the same secret. Spawned
-            workers get a fresh random key instead.
+            ``bytes``, at least 16 bytes) or a ``pathlib.Path`` to a file holding it; by default
+            ``MINIPD_CLUSTER_SECRET``, else the file ``MINIPD_CLUSTER_SECRET_FILE``, else
+            ``~/.config/minipd/cluster-secret`` (created, readable by this user only, when missing).
+            Workers on other machines need the same secret. Spawned workers get a fresh random key instead.
         heartbeat_timeout: a worker silent this long is taken for dead and fenced (it reports at least
             every second while idle; a step longer than this looks like a death).
         **llm_options: passed to each worker's ``LLM`` (``max_model_len``, ``device``, engine options).
