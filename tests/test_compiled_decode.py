@@ -166,13 +166,13 @@ def test_a_refused_recompilation_turns_compiled_decode_off_and_the_step_runs_eag
     assert runner.compiled is None and "compile_decode turned off" in caplog.text
 
 
-@pytest.mark.parametrize("kernel_backend", ["cpu", "torch"])
-def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backend):
-    """The C++ kernel reads fp32 pools only: over an fp16 pool the compiled step uses the torch attention."""
+@pytest.mark.parametrize(("kernel_backend", "kv_cache_dtype"), [("cpu", "fp16"), ("cpu", "bf16"), ("torch", "fp16")])
+def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backend, kv_cache_dtype):
+    """The C++ kernel reads fp32 pools only: over an fp16/bf16 pool the compiled step uses the torch attention."""
     if kernel_backend == "cpu":
         need_cpu_kernel()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 7, 3)]
-    options = dict(kernel_backend=kernel_backend, kv_cache_dtype="fp16", max_model_len=64, max_num_seqs=4)
+    options = dict(kernel_backend=kernel_backend, kv_cache_dtype=kv_cache_dtype, max_model_len=64, max_num_seqs=4)
     want = _tokens(LLM("tiny-py", **options), params)
     llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
     assert _tokens(llm, params) == want

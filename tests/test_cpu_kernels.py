@@ -223,10 +223,13 @@ def test_cpu_backend_gives_the_reference_tokens_with_chunked_prefill_and_prefix_
 
 
 def test_the_build_is_keyed_by_its_inputs_so_checkouts_never_evict_each_other():
-    key = cpu_paged_attention.build_key
-    assert key() == key() and len(key()) == 12
+    key, tools = cpu_paged_attention.build_key, cpu_paged_attention.toolchain()
+    assert key() == key() == key(tools=tools) and len(key()) == 12
     assert key(source=cpu_paged_attention._SOURCE + "\n// another checkout") != key()
     assert key(cflags=("-O2",)) != key()
+    # Another virtualenv with the same torch release: torch's include folders differ, and so the build.
+    other_venv = tuple("/elsewhere/.venv/torch" if part == tools[2] else part for part in tools)
+    assert tools[2] and key(tools=other_venv) != key()
     assert cpu_paged_attention.extension_name().endswith(key())
 
 
@@ -241,13 +244,48 @@ def test_a_process_that_must_not_build_uses_the_reference_and_compiles_nothing(m
     monkeypatch.setattr(cpp_extension, "load_inline", no_build)
     cpu_paged_attention.load_kernel.cache_clear()
     try:
+        # Another checkout's build in the same cache is not this one's.
+        other = "minipd_cpu_paged_attention_aaaaaaaaaaaa"
+        (tmp_path / other).mkdir()
+        (tmp_path / other / f"{other}.so").touch()
         assert not cpu_paged_attention.kernel_built()
         module, why = cpu_paged_attention.load_kernel()
         assert module is None and cpu_paged_attention.NO_BUILD_ENV in why
-        # Two builds with different keys live side by side in one cache.
-        for name in ("minipd_cpu_paged_attention_aaaaaaaaaaaa", cpu_paged_attention.extension_name()):
-            (tmp_path / name).mkdir(exist_ok=True)  # (asking for a build's folder makes it)
-            (tmp_path / name / f"{name}.so").touch()
-        assert cpu_paged_attention.kernel_built()
+        # Once this key's build is there too, both live side by side.
+        name = cpu_paged_attention.extension_name()
+        (tmp_path / name).mkdir(exist_ok=True)  # (asking for a build's folder makes it)
+        (tmp_path / name / f"{name}.so").touch()
+        assert cpu_paged_attention.kernel_built() and (tmp_path / other / f"{other}.so").is_file()
     finally:
         cpu_paged_attention.load_kernel.cache_clear()
+
+
+def test_a_process_that_must_not_build_imports_a_finished_build_without_ninja():
+    """A worker imports the build as it is (``load_inline`` would run ninja, which may recompile), dispatcher
+    op included. In a subprocess: a second import of the extension in this one would register its op twice."""
+    import os
+    import subprocess
+    import sys
+
+    need_cpu_kernel()
+    script = """
+import torch, torch.utils.cpp_extension as cpp_extension
+def no_build(*args, **kwargs):
+    raise AssertionError("the kernel was compiled")
+cpp_extension.load_inline = no_build
+from minipd.kernels.cpu_paged_attention import load_kernel, paged_decode_attention_cpu
+from minipd.kernels.paged_attention import paged_decode_attention_torch
+module, why = load_kernel()
+assert module is not None, why
+g = torch.Generator().manual_seed(0)
+q = torch.randn(2, 4, 16, generator=g)
+k, v = torch.randn(2, 4, 8, 2, 16, generator=g)
+tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([11, 16])
+args = (q, k, v, tables, lens, 0.25, 0, torch.empty(0), torch.empty(0))
+want = paged_decode_attention_torch(q, k, v, tables, lens, 0.25)
+torch.testing.assert_close(torch.ops.minipd_cpu.paged_decode(*args), want, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(paged_decode_attention_cpu(q, k, v, tables, lens, 0.25), want, rtol=1e-5, atol=1e-5)
+"""
+    env = {**os.environ, cpu_paged_attention.NO_BUILD_ENV: "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -18,12 +18,12 @@ a KV head (grouped-query attention) are served together, so each K/V row is load
 
 They are compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the
 build is cached under ``~/.cache/torch_extensions``, in a folder named by a hash of everything the
-build depends on — source, flags, torch, Python, the CPU's features — so two checkouts or virtualenvs
-on one machine keep their builds side by side instead of rebuilding each other's): by
-``make install``, by ``python -m minipd build-kernels``, or on first use of ``kernel_backend="cpu"``.
-A process with ``MINIPD_NO_KERNEL_BUILD=1`` (every prefill/decode worker) never compiles: it uses a
-build that is there, else the torch references. The default backend on
-a CPU is this one once it is built, the torch reference before. When it cannot be built,
+build depends on — source, flags, compiler, torch's version and location, Python's, the CPU's features —
+so two checkouts or virtualenvs on one machine keep their builds side by side instead of rebuilding each
+other's): by ``make install``, by ``python -m minipd build-kernels``, or on first use of
+``kernel_backend="cpu"``. A process with ``MINIPD_NO_KERNEL_BUILD=1`` (every prefill/decode worker)
+never compiles: it imports a build that is there, else uses the torch references, with a warning. The
+default backend on a CPU is this one once it is built, the torch reference before. When it cannot be built,
 :func:`load_kernel` says why. They handle fp32 queries over an fp32 cache; anything else (fp16 caches,
 quantized pools, other devices) goes to the references.
 """
@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import sys
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -491,6 +493,7 @@ TORCH_LIBRARY_IMPL(minipd_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); 
 """
 
 
+@functools.cache
 def _cpu_features() -> str:
     """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else the processor's name."""
     try:
@@ -503,11 +506,19 @@ def _cpu_features() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_key(source: str = _SOURCE, cflags: Sequence[str] = _CFLAGS, ldflags: Sequence[str] = _LDFLAGS) -> str:
-    """A short hash of everything the build depends on: the source, the flags, torch's and Python's versions,
-    the machine and its CPU features. Equal inputs share one build; different ones never evict each other."""
-    parts = [source, " ".join(cflags), " ".join(ldflags), torch.__version__, sys.version.split()[0],
-             platform.machine(), _cpu_features()]
+def toolchain() -> tuple[str, ...]:
+    """What the build depends on besides the source and flags: the compiler, torch's and Python's versions
+    and include folders (torch's differ per virtualenv, and torch writes them into the build's command
+    line, so two virtualenvs sharing a folder rebuild each other's), the machine and its CPU features."""
+    return (os.environ.get("CXX", "c++"), torch.__version__, os.path.dirname(torch.__file__),
+            sys.version.split()[0], sysconfig.get_paths().get("include", ""), platform.machine(), _cpu_features())
+
+
+def build_key(source: str = _SOURCE, cflags: Sequence[str] = _CFLAGS, ldflags: Sequence[str] = _LDFLAGS,
+              tools: Sequence[str] | None = None) -> str:
+    """A short hash of everything the build depends on: the source, the flags and the :func:`toolchain`
+    (``tools``, this process's by default). Equal inputs share one build; different ones never evict each other."""
+    parts = [source, " ".join(cflags), " ".join(ldflags), *(toolchain() if tools is None else tools)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
@@ -520,21 +531,48 @@ def _no_build() -> bool:
     return os.environ.get(NO_BUILD_ENV, "") not in ("", "0")
 
 
+def _built_library() -> Path | None:
+    """The built extension for this key in torch's extension cache, or None (nothing is compiled to find out)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = extension_name()
+    try:
+        library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    except Exception:
+        return None
+    return library if library.is_file() else None
+
+
+def _import_built(library: Path) -> object:
+    """Import a finished build as it is. ``load_inline`` would run ninja, which may compile."""
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def load_kernel() -> tuple[object | None, str | None]:
     """``(module, None)`` once the kernels are built (or loaded from the cache), else ``(None, why not)``.
 
-    With ``MINIPD_NO_KERNEL_BUILD`` set, nothing is compiled: a missing build is ``(None, why)``."""
-    if _no_build() and not kernel_built():
-        reason = (f"not built for this checkout and machine, and {NO_BUILD_ENV} forbids building here "
-                  "(run `python -m minipd build-kernels` once)")
-        logger.warning("the CPU paged-attention kernels are %s; using the torch references", reason)
-        return None, reason
+    With ``MINIPD_NO_KERNEL_BUILD`` set, nothing is compiled: a build for this key is imported as it is,
+    and a missing one is ``(None, why)``, with a warning."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        if _no_build():
+            library = _built_library()
+            if library is None:
+                reason = (f"not built for this source, torch and Python, and {NO_BUILD_ENV} forbids building here "
+                          "(run `python -m minipd build-kernels` once)")
+                logger.warning("the CPU paged-attention kernels are %s; using the torch references", reason)
+                return None, reason
+            module = _import_built(library)
+        else:
+            from torch.utils.cpp_extension import load_inline
 
-        module = load_inline(extension_name(), cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
-                             extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+            module = load_inline(extension_name(), cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
+                                 extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
         # Its shape rule, for tracing: the output is shaped like the queries.
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
         return module, None
@@ -545,19 +583,13 @@ def load_kernel() -> tuple[object | None, str | None]:
 
 
 def kernel_built() -> bool:
-    """Whether a build of the kernels is already in torch's extension cache (nothing is compiled to find out).
+    """Whether a build of the kernels for this key is already in torch's extension cache (nothing is compiled
+    to find out).
 
     The engine picks the kernels by default only then: a first build takes a minute, which ``make install``
     (or ``python -m minipd build-kernels``) pays once, never a reader's first ``LLM(...)``.
     """
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = extension_name()
-    try:
-        folder = Path(_get_build_directory(name, verbose=False))
-    except Exception:
-        return False
-    return any(folder.glob(f"{name}*.so"))
+    return _built_library() is not None
 
 
 #: Stands for "no new K/V rows" in a call of the C++ decode (it takes tensors, not None).
