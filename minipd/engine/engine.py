@@ -48,6 +48,14 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self._seeds = random.Random(seed if seed is not None else time.time_ns())
         self._next_id = 0
+        if config.snapshot_interval and config.snapshot_path is not None:
+            from minipd.engine.snapshot import SnapshotError, is_snapshot
+
+            path = Path(config.snapshot_path)
+            if path.is_symlink() or (path.exists() and not is_snapshot(path)):
+                # Said now, not at every interval from inside step(), after that step's tokens.
+                raise SnapshotError(f"snapshot_path {path} exists and is not a minipd snapshot; it would not be "
+                                    "replaced: choose a new path")
 
     # The core's parts, for the chapters and tests that look inside.
     @property
@@ -183,7 +191,9 @@ class Engine:
 
         A failure is raised only once nothing of the step is lost (see :meth:`EngineCore.step` and
         :meth:`OutputProcessor.process`): its tokens are delivered to their requests (and streams)
-        first, so calling ``step`` again goes on as if it had not failed.
+        first, so calling ``step`` again goes on as if it had not failed. The deltas of a step that raises
+        are not returned: they are in the requests' states and :meth:`watch` queues (and in
+        ``OutputProcessingError.deltas``).
         """
         before = self.core.num_steps
         deltas = self._deliver(self.core.step())

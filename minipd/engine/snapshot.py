@@ -15,10 +15,18 @@ already running), every tensor's shape — all before admitting anything, so a c
 partial or mismatched snapshot is refused with a :class:`SnapshotError` naming the request and the
 field, and the engine is left as it was.
 
+The checksums find corruption and careless edits, not forgery: anyone can recompute them, so a
+snapshot is as trustworthy as the folder it was read from (its K/V are admitted as computed for its
+tokens, and join the prefix cache under them).
+
 Saving never destroys what it did not write: a path that exists and is not a minipd snapshot (a
-file, a folder of yours, a link) is refused and left alone. A snapshot is written beside its place,
-flushed to disk, and swapped in by renames, so a crash leaves the previous snapshot whole; the old
-one is then removed file by file (only the files a snapshot has).
+file, a folder of yours, a link, a snapshot folder holding anything but its two plain files) is
+refused and left alone. A snapshot is written to a staging folder beside its place, flushed to disk
+(files and folders), and swapped in by renames — the old one aside, the new one in, the old one put
+back if that fails — so a crash leaves the previous snapshot whole; the old one is then removed file
+by file (only the files a snapshot has, never a folder with anything else in it).
+
+Version 1 snapshots (no manifest checksum, no log-probabilities) are refused with that reason.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import math
 import os
 import secrets
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,30 +100,39 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def is_snapshot(path: Path) -> bool:
-    """Whether ``path`` is a folder minipd wrote as a snapshot: our manifest, and no file a snapshot lacks."""
-    if path.is_symlink() or not path.is_dir() or not (path / MANIFEST).is_file():
-        return False
-    if any(child.name not in SNAPSHOT_FILES for child in path.iterdir()):
-        return False  # someone keeps other things here: replacing it would delete them
+def is_snapshot(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder minipd wrote as a snapshot: a real folder (not a link) holding our
+    manifest and nothing but a snapshot's plain files — the only kind :func:`save_snapshot` replaces."""
+    path = Path(path)
     try:
-        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        if path.is_symlink() or not path.is_dir():
+            return False
+        for child in path.iterdir():
+            # Anything else (a file of yours, a folder, a link) would be lost or followed on replacing it.
+            if child.name not in SNAPSHOT_FILES or child.is_symlink() or not child.is_file():
+                return False
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
     """Write every unfinished request of ``engine`` and its computed K/V to the folder ``path``.
 
     ``path`` must not exist, or be a snapshot minipd wrote (which is replaced whole); anything else is
-    refused with :class:`SnapshotError` and left as it is.
+    refused with :class:`SnapshotError` and left as it is. So is a save while a failed step's outputs
+    still wait to be applied (call ``step`` again first).
     """
     from safetensors.torch import save_file
 
     path = Path(path)
-    if path.is_symlink() or (path.exists() and not is_snapshot(path)):
+    if (path.is_symlink() or path.exists()) and not is_snapshot(path):
         raise SnapshotError(f"{path} exists and is not a minipd snapshot; it was left alone: save the snapshot "
                             "to a new path (or to a snapshot folder minipd wrote, which is replaced)")
+    if engine.processor.has_pending():
+        # The core has tokens the front end has not applied yet: their text, times and logprobs would be lost.
+        raise SnapshotError("outputs of a failed step still wait to be applied: call step() again, then save")
     entries, tensors = [], {}
     for index, state in enumerate(engine.processor.states.values()):
         request = state.request
@@ -146,6 +165,7 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
             "pending_prompt_logprobs": _logprobs_to_json(request.pending_prompt_logprobs),
         })
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A fresh folder of our own beside the target (same file system, so the renames below are atomic).
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         kv_path = staging / KV_FILE
@@ -157,23 +177,44 @@ def save_snapshot(engine: Engine, path: str | os.PathLike) -> Path:
         for name in SNAPSHOT_FILES:
             _fsync(staging / name)
         _fsync(staging)
-        # Swap in whole: a crash before the second rename leaves the previous snapshot (or its renamed
-        # copy) as it was.
-        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}") if path.exists() else None
-        if old is not None:
-            path.rename(old)
-        staging.rename(path)
-        _fsync(path.parent)
-        if old is not None:
-            _remove_snapshot(old)
+        _swap_in(staging, path)
     finally:
-        if staging.exists():
+        if staging.is_dir() and not staging.is_symlink():  # still there: the swap did not happen
             _remove_snapshot(staging)
     return path
 
 
+def _swap_in(staging: Path, path: Path) -> None:
+    """Put the finished snapshot ``staging`` at ``path``, replacing the snapshot there (if any) by renames.
+
+    At every moment ``path`` is the old snapshot, nothing, or the new one; a failed rename puts the old
+    one back. Only then is the old one removed, file by file.
+    """
+    old = None
+    if path.exists() or path.is_symlink():
+        if not is_snapshot(path):  # it changed since save_snapshot looked: still not ours to replace
+            raise SnapshotError(f"{path} exists and is not a minipd snapshot; it was left alone")
+        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}")
+        path.rename(old)
+    try:
+        staging.rename(path)
+    except BaseException:
+        if old is not None:
+            old.rename(path)
+        raise
+    _fsync(path.parent)
+    if old is not None:
+        try:
+            _remove_snapshot(old)
+        except OSError as err:  # the new snapshot is in place: a stale copy left beside it is not worth failing
+            warnings.warn(f"the previous snapshot was kept at {old}: it could not be removed ({err})",
+                          RuntimeWarning, stacklevel=3)
+
+
 def _fsync(path: Path) -> None:
     """Flush a file's (or a folder's entries') writes to disk."""
+    if os.name == "nt" and path.is_dir():
+        return  # Windows cannot open a folder to flush it (its renames are journaled by NTFS)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -184,7 +225,9 @@ def _fsync(path: Path) -> None:
 def _remove_snapshot(folder: Path) -> None:
     """Remove a folder this module wrote: its snapshot files, then the folder (never anything else in it)."""
     for name in SNAPSHOT_FILES:
-        (folder / name).unlink(missing_ok=True)
+        file = folder / name
+        if file.is_symlink() or file.is_file():  # (a link itself is removed, never what it points to)
+            file.unlink(missing_ok=True)
     try:
         folder.rmdir()
     except OSError:  # something else is in it: not ours to delete
@@ -194,46 +237,63 @@ def _remove_snapshot(folder: Path) -> None:
 def load_snapshot(engine: Engine, path: str | os.PathLike) -> list[str]:
     """Re-admit the requests saved in ``path`` into ``engine`` (same model and KV format); return their ids.
 
-    Everything is checked before any request is added; on any problem, :class:`SnapshotError`.
+    All or nothing: every field of every request, and its K/V, is checked (and each request rebuilt)
+    before any is admitted; on any problem, :class:`SnapshotError` naming the request and the field,
+    and the engine is as it was.
     """
     path = Path(path)
-    manifest = _read_manifest(path)
-    _check_compatible(engine, manifest, path)
-    checked = [_check_entry(engine, manifest, i, entry, path) for i, entry in enumerate(manifest["requests"])]
-    ids = [c["request_id"] for c in checked]
-    duplicate = next((i for i in ids if ids.count(i) > 1), None)
-    if duplicate is not None:
-        raise SnapshotError(f"{path / MANIFEST}: request id {duplicate!r} appears more than once")
-    indexes = [c["index"] for c in checked]
-    if len(set(indexes)) != len(indexes):
-        raise SnapshotError(f"{path / MANIFEST}: two requests share a K/V index")
-    packed = _read_kv(path, manifest, engine.core.kv_spec)
+    try:
+        manifest = _read_manifest(path)
+        _check_compatible(engine, manifest, path)
+        checked = [_check_entry(engine, i, entry, path) for i, entry in enumerate(manifest["requests"])]
+    except RecursionError:  # (a value nested so deep that hashing or quoting it overflows the stack)
+        raise SnapshotError(f"{path / MANIFEST} nests values too deeply: the snapshot is corrupt") from None
+    for field in ("request_id", "index"):
+        first_at: dict[Any, int] = {}
+        for position, entry in enumerate(checked):
+            earlier = first_at.setdefault(entry[field], position)
+            if earlier != position:
+                raise SnapshotError(f"{path / MANIFEST}: requests[{position}] (request {entry['request_id']!r}): "
+                                    f"{field} {entry[field]!r} appears more than once (also requests[{earlier}])")
+    packed = _read_kv(path, manifest["kv_sha256"], checked, engine.core.kv_spec)
     states = []
-    for entry in checked:
+    for position, entry in enumerate(checked):
+        where = f"{path / MANIFEST}: requests[{position}] (request {entry['request_id']!r})"
         try:
             state = engine.make_request(entry["all_token_ids"][:entry["num_prompt_tokens"]], entry["sampling"],
                                         request_id=entry["request_id"], hold_kv=entry["hold_kv"],
                                         num_external_tokens=entry["num_kv_tokens"])
-        except ValueError as err:
-            raise SnapshotError(f"{path / MANIFEST}: request {entry['request_id']!r} cannot be restored: "
-                                f"{err}") from None
-        request = state.request
-        request.all_token_ids[:] = entry["all_token_ids"]
-        request.seed = entry["seed"]
-        request.num_prompt_logprobs_done = entry["num_prompt_logprobs_done"]
-        request.pending_prompt_logprobs = _logprobs_from_json(entry["pending_prompt_logprobs"]) or []
-        state.prompt = entry["prompt"]
-        state.metrics = RequestMetrics(**entry["metrics"])
-        states.append((state, packed.get(entry["index"]), entry))
-    for state, kv, entry in states:
-        engine.add(state, kv=kv)
-        engine.processor.replay(state, state.request.output_token_ids)
+            request = state.request
+            request.all_token_ids[:] = entry["all_token_ids"]
+            request.seed = entry["seed"]
+            request.num_prompt_logprobs_done = entry["num_prompt_logprobs_done"]
+            request.pending_prompt_logprobs = _logprobs_from_json(entry["pending_prompt_logprobs"]) or []
+            state.prompt = entry["prompt"]
+            state.metrics = RequestMetrics(**entry["metrics"])
+            # Text rebuilt here, before anything is admitted: the request must still be running after it.
+            engine.processor.replay(state, request.output_token_ids)
+        except (ValueError, TypeError) as err:
+            raise SnapshotError(f"{where} cannot be restored: {err}") from None
+        if state.finished:
+            raise SnapshotError(f"{where}: all_token_ids hold a stop string ({state.stop_reason!r}): the request "
+                                "would have finished")
         state.logprobs = _logprobs_from_json(entry["logprobs"])
         state.prompt_logprobs = _logprobs_from_json(entry["prompt_logprobs"])
-    return [state.request_id for state, _, _ in states]
+        states.append((state, packed.get(entry["index"])))
+    added: list[str] = []
+    try:
+        for state, kv in states:
+            added.append(engine.add(state, kv=kv))
+    except Exception as err:  # checked above, so not expected: take back what was added, as if never there
+        for request_id in added:
+            engine.core.abort_requests([request_id])
+            engine.processor.counters.prompt_tokens -= len(engine.processor.states.pop(request_id).prompt_token_ids)
+        raise SnapshotError(f"{path}: a request could not be admitted ({type(err).__name__}: {err}); none was") \
+            from err
+    return added
 
 
-def _check_entry(engine: Engine, manifest: dict[str, Any], position: int, entry: Any, path: Path) -> dict[str, Any]:
+def _check_entry(engine: Engine, position: int, entry: Any, path: Path) -> dict[str, Any]:
     """Every field of one saved request, checked; returns them (with the rebuilt ``SamplingParams`` as
     ``sampling``). Raises :class:`SnapshotError` naming the request and the field."""
     where = f"{path / MANIFEST}: requests[{position}]"
@@ -268,17 +328,20 @@ def _check_entry(engine: Engine, manifest: dict[str, Any], position: int, entry:
     num_prompt = entry["num_prompt_tokens"]
     if not is_integer(num_prompt) or not 1 <= num_prompt <= len(tokens):
         raise bad("num_prompt_tokens", f"must be an integer in [1, {len(tokens)}], got {num_prompt!r}")
-    if not isinstance(entry["params"], dict):
-        raise bad("params", "must be an object")
-    try:
-        sampling = SamplingParams(**entry["params"])
-    except TypeError as err:  # an unknown or missing parameter
-        raise bad("params", f"is not a set of sampling parameters ({err})") from None
-    except ValueError as err:
-        raise bad(f"params.{getattr(err, 'param', '')}".rstrip("."), f"is not valid: {err}") from None
-    if len(tokens) - num_prompt >= sampling.max_tokens:
-        raise bad("all_token_ids", f"holds {len(tokens) - num_prompt} output tokens, which a request with "
+    sampling = _check_params(entry["params"], bad)
+    outputs = tokens[num_prompt:]
+    if len(outputs) >= sampling.max_tokens:
+        raise bad("all_token_ids", f"holds {len(outputs)} output tokens, which a request with "
                                    f"max_tokens={sampling.max_tokens} would have finished")
+    stops = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(engine.eos_token_ids))
+    ended = next((i for i, t in enumerate(outputs) if t in stops), None)
+    if ended is not None:
+        raise bad("all_token_ids", f"output token {ended} ({outputs[ended]}) is a stop token: the request would "
+                                   "have finished")
+    try:  # what admitting it checks: refused now, not after others were admitted
+        engine.core.check_fits(len(tokens), sampling.max_tokens, what="it")
+    except ValueError as err:
+        raise bad("all_token_ids", f"cannot be resumed in this engine: {err}") from None
     try:
         seed = check_seed("seed", entry["seed"])
     except ValueError as err:
@@ -290,18 +353,28 @@ def _check_entry(engine: Engine, manifest: dict[str, Any], position: int, entry:
     num_kv = entry["num_kv_tokens"]
     if not is_integer(num_kv) or not 0 <= num_kv < len(tokens):
         raise bad("num_kv_tokens", f"must be an integer in [0, {len(tokens) - 1}], got {num_kv!r}")
-    done = entry["num_prompt_logprobs_done"]
-    if not is_integer(done) or not 1 <= done <= num_prompt:
-        raise bad("num_prompt_logprobs_done", f"must be an integer in [1, {num_prompt}], got {done!r}")
     _check_metrics(entry["metrics"], bad)
-    outputs = len(tokens) - num_prompt
-    for field, rows, allow_none_rows in (("logprobs", outputs, False), ("prompt_logprobs", None, True),
-                                         ("pending_prompt_logprobs", None, False)):
-        _check_logprobs(entry[field], field, vocab, rows, allow_none_rows, bad)
+    _check_logprob_fields(entry, sampling, tokens[:num_prompt], outputs, vocab, bad)
     return {**entry, "seed": seed, "sampling": sampling}
 
 
-def _check_metrics(metrics: Any, bad: Any) -> None:
+def _check_params(params: Any, bad: Callable[[str, str], SnapshotError]) -> SamplingParams:
+    """The saved sampling parameters, every field present and checked by :class:`SamplingParams` itself."""
+    if not isinstance(params, dict):
+        raise bad("params", "must be an object")
+    missing = sorted(set(_PARAM_FIELDS) - set(params))
+    if missing:
+        raise bad(f"params.{missing[0]}", "is missing")
+    unknown = sorted(set(params) - set(_PARAM_FIELDS))
+    if unknown:
+        raise bad(f"params.{unknown[0]}", "is not a sampling parameter (params is not a set of sampling parameters)")
+    try:
+        return SamplingParams(**params)
+    except (ValueError, TypeError) as err:
+        raise bad(f"params.{getattr(err, 'param', '')}".rstrip("."), f"is not valid: {err}") from None
+
+
+def _check_metrics(metrics: Any, bad: Callable[[str, str], SnapshotError]) -> None:
     if not isinstance(metrics, dict):
         raise bad("metrics", "must be an object")
     for name, value in metrics.items():
@@ -323,20 +396,54 @@ def _check_metrics(metrics: Any, bad: Any) -> None:
         raise bad("metrics.arrival_time", "is missing")
 
 
-def _check_logprobs(table: Any, field: str, vocab: int, rows: int | None, allow_none_rows: bool, bad: Any) -> None:
-    """None, or a list of positions, each a list of ``[token id, finite or -inf logprob]`` pairs."""
-    if table is None:
+def _check_logprob_fields(entry: dict[str, Any], sampling: SamplingParams, prompt: list[int], outputs: list[int],
+                          vocab: int, bad: Callable[[str, str], SnapshotError]) -> None:
+    """The log-probabilities saved, as a run with these parameters and tokens reports them."""
+    k = sampling.logprobs
+    if k is None or not outputs:  # reported with each output token, when asked for
+        if entry["logprobs"] is not None:
+            raise bad("logprobs", "must be null: " + ("none were asked for" if k is None else "no token was output"))
+    else:
+        _check_rows(entry["logprobs"], "logprobs", outputs, k, vocab, bad)
+    k = sampling.prompt_logprobs
+    done, pending, reported = (entry["num_prompt_logprobs_done"], entry["pending_prompt_logprobs"],
+                               entry["prompt_logprobs"])
+    if not is_integer(done) or not 1 <= done <= len(prompt) or (k is None and done != 1):
+        raise bad("num_prompt_logprobs_done", f"must be an integer in [1, {len(prompt)}] (1 when prompt_logprobs "
+                                              f"were not asked for), got {done!r}")
+    if pending is None or (pending and (k is None or outputs)):  # (they go out with the first output token)
+        raise bad("pending_prompt_logprobs", "must be an empty list " + (
+            "when prompt_logprobs were not asked for" if k is None else "once a token was output"))
+    if len(pending) > done - 1:
+        raise bad("pending_prompt_logprobs", f"holds {len(pending)} positions but num_prompt_logprobs_done says "
+                                             f"{done - 1} were scored")
+    _check_rows(pending, "pending_prompt_logprobs", None, k or 0, vocab, bad)
+    if k is None or not outputs:
+        if reported is not None:
+            raise bad("prompt_logprobs", "must be null: " + ("none were asked for" if k is None else
+                                                             "they are reported with the first output token"))
         return
-    if not isinstance(table, list) or (rows is not None and len(table) != rows):
-        raise bad(field, f"must be null or a list{f' of {rows} positions' if rows is not None else ''}")
-    for row in table:
-        if row is None and allow_none_rows:
-            continue
-        if not isinstance(row, list) or not all(
+    if not isinstance(reported, list) or not reported or reported[0] is not None or len(reported) > len(prompt):
+        raise bad("prompt_logprobs", f"must be a list of at most {len(prompt)} positions, the first null")
+    # Complete (the usual case), position i scores prompt token i.
+    _check_rows(reported[1:], "prompt_logprobs", prompt[1:] if len(reported) == len(prompt) else None, k, vocab, bad,
+                first=1)
+
+
+def _check_rows(table: Any, field: str, chosen: list[int] | None, k: int, vocab: int,
+                bad: Callable[[str, str], SnapshotError], first: int = 0) -> None:
+    """A list of positions (one per ``chosen`` token, if given), each 1 to ``k + 1`` ``[token id, logprob]``
+    pairs, the chosen token first (as the model runner reports them); ``first``: the field's index of ``table[0]``."""
+    if not isinstance(table, list) or (chosen is not None and len(table) != len(chosen)):
+        raise bad(field, "must be a list" + (f" of {len(chosen)} positions" if chosen is not None else ""))
+    for i, row in enumerate(table):
+        if not isinstance(row, list) or not 1 <= len(row) <= k + 1 or not all(
                 isinstance(pair, list) and len(pair) == 2 and is_integer(pair[0]) and 0 <= pair[0] < vocab
                 and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
                 and (math.isfinite(pair[1]) or pair[1] == -math.inf) for pair in row):
-            raise bad(field, "must hold [token id, log-probability] pairs")
+            raise bad(f"{field}[{first + i}]", f"must hold 1 to {k + 1} [token id, log-probability] pairs")
+        if chosen is not None and row[0][0] != chosen[i]:
+            raise bad(f"{field}[{first + i}]", f"must score token {chosen[i]} first, got {row[0][0]}")
 
 
 def _sha256(path: Path) -> str:
@@ -353,7 +460,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise SnapshotError(f"no snapshot at {path}: {MANIFEST} is missing")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise SnapshotError(f"{manifest_path} cannot be read: {err}") from None
+    except (ValueError, RecursionError) as err:  # (not JSON, not UTF-8, or nested past what a parser takes)
         raise SnapshotError(f"{manifest_path} is not valid JSON ({err}): the snapshot is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SnapshotError(f"{manifest_path} is not a minipd snapshot")
@@ -364,51 +473,52 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if manifest.get("manifest_sha256") != manifest_checksum(manifest):
         raise SnapshotError(f"{manifest_path} does not match its own checksum: it was edited or corrupted after "
                             "it was written")
-    if not isinstance(manifest.get("requests"), list):
-        raise SnapshotError(f"{manifest_path} lists no requests: the snapshot is corrupt")
+    for field, kind, what in (("model", dict, "an object"), ("kv_spec", dict, "an object"),
+                              ("kv_sha256", str, "a string"), ("requests", list, "a list")):
+        if not isinstance(manifest.get(field), kind):
+            raise SnapshotError(f"{manifest_path}: {field} is missing or not {what}: the snapshot is corrupt")
     return manifest
 
 
 def _check_compatible(engine: Engine, manifest: dict[str, Any], path: Path) -> None:
-    ours = model_fingerprint(engine)
-    theirs = manifest.get("model", {})
-    differ = [f"{k} {theirs.get(k)!r} (here {v!r})" for k, v in ours.items() if theirs.get(k) != v]
-    if differ:
-        raise SnapshotError(f"{path} was taken with another model: {', '.join(differ)}")
-    spec = engine.core.kv_spec.to_dict()
-    saved = manifest.get("kv_spec", {})
-    differ = [f"{k} {saved.get(k)!r} (here {v!r})" for k, v in spec.items() if saved.get(k) != v]
-    if differ:
-        raise SnapshotError(f"{path} stores K/V in another format: {', '.join(differ)}")
+    for field, ours, what in (("model", model_fingerprint(engine), "was taken with another model"),
+                              ("kv_spec", engine.core.kv_spec.to_dict(), "stores K/V in another format")):
+        theirs = manifest[field]
+        # Keys on either side: a key only the snapshot has (say ``latent``) is a difference too.
+        differ = [f"{k} {theirs.get(k)!r} (here {ours.get(k)!r})" for k in [*ours, *(set(theirs) - set(ours))]
+                  if theirs.get(k) != ours.get(k)]
+        if differ:
+            raise SnapshotError(f"{path} {what}: {', '.join(differ)}")
 
 
-def _read_kv(path: Path, manifest: dict[str, Any], spec: KVSpec) -> dict[int, PackedKV]:
+def _read_kv(path: Path, kv_sha256: str, entries: list[dict[str, Any]], spec: KVSpec) -> dict[int, PackedKV]:
+    """The K/V of every (checked) request that saved some, by index; every tensor's shape and dtype checked."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     kv_path = path / KV_FILE
     if not kv_path.is_file():
         raise SnapshotError(f"{kv_path} is missing: the snapshot is partial")
-    if _sha256(kv_path) != manifest.get("kv_sha256"):
+    if _sha256(kv_path) != kv_sha256:
         raise SnapshotError(f"{kv_path} does not match the checksum in its manifest: the snapshot is corrupt "
                             "or partly written")
     try:
         tensors = load_file(str(kv_path))
-    except (SafetensorError, OSError) as err:
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise SnapshotError(f"{kv_path} cannot be read: {err}") from None
     packed = {}
-    for entry in manifest["requests"]:
-        num_tokens = entry.get("num_kv_tokens", 0)
+    for position, entry in enumerate(entries):
+        num_tokens = entry["num_kv_tokens"]
         if not num_tokens:
             continue
+        who = f"{kv_path}: the K/V of requests[{position}] (request {entry['request_id']!r}, {num_tokens} tokens)"
         blocks = -(-num_tokens // spec.block_size)
         shape = (2, blocks, *spec.block_shape)
         layers, scales = [], []
         for layer in range(spec.num_layers):
             tensor = tensors.get(f"{entry['index']}.{layer}")
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != spec.dtype:
-                raise SnapshotError(f"{kv_path}: the K/V of request {entry.get('request_id')!r}, layer {layer}, "
-                                    f"is missing or not {shape} {spec.dtype}")
+                raise SnapshotError(f"{who}, layer {layer}, are missing or not {shape} {spec.dtype}")
             layers.append(tensor)
             if spec.is_quantized:
                 pair = []
@@ -416,17 +526,16 @@ def _read_kv(path: Path, manifest: dict[str, Any], spec: KVSpec) -> dict[int, Pa
                     tensor = tensors.get(f"{entry['index']}.{layer}.{name}")
                     expected = (blocks, *per_block)
                     if tensor is None or tuple(tensor.shape) != expected or tensor.dtype != spec.scale_dtype:
-                        raise SnapshotError(f"{kv_path}: the {name[0].upper()} scales of request "
-                                            f"{entry.get('request_id')!r}, layer {layer}, are missing or not "
-                                            f"{expected} {spec.scale_dtype}")
+                        raise SnapshotError(f"{who}, layer {layer}: the {name[0].upper()} scales are missing "
+                                            f"or not {expected} {spec.scale_dtype}")
                     pair.append(tensor)
                 scales.append((pair[0], pair[1]))
         tail = tensors.get(f"{entry['index']}.tail")
         filled = num_tokens % spec.block_size
-        if tail is not None and tuple(tail.shape) != (2, spec.num_layers, filled, spec.num_kv_heads, spec.head_dim):
-            raise SnapshotError(f"{kv_path}: the residual rows of request {entry.get('request_id')!r} are "
-                                f"{tuple(tail.shape)}, not (2, {spec.num_layers}, {filled}, {spec.num_kv_heads}, "
-                                f"{spec.head_dim})")
+        expected = (2, spec.num_layers, filled, spec.num_kv_heads, spec.head_dim)
+        if tail is not None and (tuple(tail.shape) != expected or not tail.dtype.is_floating_point):
+            raise SnapshotError(f"{who}: the residual rows are {tuple(tail.shape)} {tail.dtype}, not {expected} "
+                                "floating point")
         packed[entry["index"]] = PackedKV(spec, num_tokens, layers, scales if spec.is_quantized else None, tail)
     return packed
 
