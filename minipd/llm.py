@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,11 +153,15 @@ class LLM:
                     bar.update(finished - done)
                     done = finished
         finally:
-            # Interrupted (e.g. KeyboardInterrupt): free what this call still holds; the LLM stays usable.
+            # Interrupted (e.g. KeyboardInterrupt) or a step raised (the step was rolled back or delivered, see
+            # Engine.step): free what this call still holds; the LLM stays usable, and calling again recomputes.
             with self._lock:
                 for state in states:
                     if not state.finished:
-                        self.engine.abort(state.request_id)
+                        try:
+                            self.engine.abort(state.request_id)
+                        except Exception:  # (another request's output failing again): free the rest all the same
+                            logger.exception("aborting request %r after generate stopped", state.request_id)
         return [s.to_output() for s in states]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -200,18 +204,8 @@ class LLM:
 
         return RequestStream(state.request_id, self._follow(outbox), end)
 
-    def _follow(self, outbox: deque[StreamDelta]) -> Iterator[StreamDelta]:
-        while True:
-            with self._lock:
-                # Another stream's step may already have produced our next token; step only when none is queued.
-                if not outbox:
-                    self.engine.step()
-                deltas = list(outbox)
-                outbox.clear()
-            for delta in deltas:
-                yield delta
-                if delta.finished:
-                    return
+    def _follow(self, outbox: deque[StreamDelta]) -> Generator[StreamDelta, None, None]:
+        return _Follow(self, outbox)
 
     def abort(self, request_id: str | Iterable[str]) -> bool | list[str]:
         """Abort requests running in this LLM's engine; their KV blocks are freed at once.
@@ -233,3 +227,37 @@ class LLM:
                                                f"{bad!r} ({type(bad).__name__})")
         with self._lock:
             return [i for i in ids if self.engine.abort(i)]
+
+
+class _Follow(Generator[StreamDelta, None, None]):
+    """A stream's deltas: taken from its request's queue, the engine stepped whenever none is queued.
+
+    Unlike a generator function's, this iterator is not ended by an error: a step that raises passes its
+    error to the reader, and reading on goes on where it stopped (the step was rolled back or its tokens
+    were delivered into the queue first, see :meth:`Engine.step <minipd.engine.engine.Engine.step>`), so a
+    passing fault neither ends the stream early nor loses a delta.
+    """
+
+    def __init__(self, llm: LLM, outbox: deque[StreamDelta]) -> None:
+        self._llm, self._outbox, self._done = llm, outbox, False
+
+    def send(self, value: None) -> StreamDelta:
+        """The next delta (``value`` is ignored: nothing is sent into a stream)."""
+        if self._done:
+            raise StopIteration
+        while True:
+            with self._llm._lock:  # (taken per step: other streams and generate calls step in between)
+                # Another stream's step may already have produced our next token; step only when none is queued.
+                if not self._outbox:
+                    self._llm.engine.step()
+                if self._outbox:
+                    delta = self._outbox.popleft()
+                    break
+        self._done = delta.finished
+        return delta
+
+    def throw(self, typ: object, val: object = None, tb: object = None) -> StreamDelta:
+        """End the stream with the error thrown in (``close`` throws ``GeneratorExit``)."""
+        self._done = True
+        err = val if isinstance(val, BaseException) else typ() if isinstance(typ, type) else typ
+        raise err  # type: ignore[misc]

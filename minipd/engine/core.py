@@ -9,7 +9,9 @@ detokenisation, stop strings and :class:`~minipd.outputs.RequestOutput` live in 
 (:mod:`minipd.engine.output_processor`).
 
 Each step is a transaction: if the model raises (out of memory, Ctrl-C, a bug), the step's
-requests go back to waiting and nothing it half-wrote is ever registered for prefix reuse.
+requests go back to waiting and nothing it half-wrote is ever registered for prefix reuse; what
+fails once the step's tokens exist (the eviction press, statistics) is reported after they are
+delivered, never instead of them (see :meth:`EngineCore.step`).
 """
 
 from __future__ import annotations
@@ -406,22 +408,35 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Run one scheduling step; report every request that got a token or finished.
 
-        A step is all or nothing for its tokens. Whatever raises before the step's tokens exist
-        (scheduling, the forward pass, sampling) is rolled back and raised: the requests wait again,
-        holding nothing the step wrote, and the next step recomputes them (sampling is seeded by
-        token index, so the tokens are the same). Whatever fails after (the eviction press, the step's
-        statistics) does not lose them: the outputs are returned, the error is kept for
-        :meth:`take_failure` (the front end raises it once it has delivered them), and a failed
-        eviction is done again first thing next step, before anything computes, so the run goes on
-        exactly as if it had not failed. A kept failure not taken is raised by the next step.
+        A step is all or nothing for its tokens; per stage:
+
+        - scheduling, the forward pass, sampling: nothing is committed yet, so the step is rolled back
+          and the error raised. Its requests wait again, holding nothing the step wrote, and the next step
+          recomputes them (sampling is seeded by token index, so the tokens are the same).
+        - the eviction press (after the tokens exist, since it scores the K/V the step wrote): the step's
+          outputs are returned and the error kept for :meth:`take_failure`; the eviction is done again
+          first thing next step, before anything computes, so the run goes on exactly as if it had not
+          failed. If it fails again it is skipped (the blocks are kept, and later steps evict what each
+          request still holds over its budget) and that error is kept in turn: a press that keeps failing
+          costs memory, never tokens, and never stalls the engine.
+        - the step's statistics: the outputs are returned and the error kept (the record is lost).
+
+        The front end raises a kept error once it has delivered the step's outputs
+        (:meth:`Engine.step <minipd.engine.engine.Engine.step>`); one not taken is raised by the next step
+        before it does anything. Either way, stepping on after an error loses no token, and changes none
+        unless the press fails twice.
         """
         self._raise_failure()
         if self._pending_eviction is not None:
             batch, self._pending_eviction = self._pending_eviction, None
             try:
                 self._evict(batch)
+            except Exception as err:
+                # Failed twice: give it up rather than stall every step behind a press that keeps failing.
+                # The blocks are simply kept (each request's next step evicts what it still holds over budget).
+                self._keep_failure(err, "the eviction press failed again; this eviction is skipped")
             except BaseException:
-                self._pending_eviction = batch  # still owed: nothing may compute until it is done
+                self._pending_eviction = batch  # interrupted (Ctrl-C): still owed, done first next step
                 raise
         start = time.perf_counter()
         batch = self.scheduler.schedule()

@@ -116,8 +116,9 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         #: Prompt and generated tokens, and finished requests by reason, over every request served.
         self.counters = RequestCounters()
-        #: Outputs that failed to apply, by request, with their step's timestamp: tried again next call.
-        self._retry: dict[str, tuple[EngineCoreOutput, float]] = {}
+        #: Outputs that wait to be applied, by request and in order, each with its step's timestamp and whether
+        #: it failed already: the first failed, those after it wait behind it. Tried again next call.
+        self._retry: dict[str, list[tuple[EngineCoreOutput, float, bool]]] = {}
 
     def new_state(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                   arrival_time: float) -> RequestState:
@@ -155,23 +156,23 @@ class OutputProcessor:
         Each request's output is applied whole or not at all. One that raises (a detokeniser error, say)
         leaves its request as it was, every other output is applied and delivered, and then
         :class:`OutputProcessingError` is raised; the failed output is tried again first at the next call
-        (so a passing fault loses nothing), and a request whose output fails twice ends with ``"abort"``
-        (its ``stop_reason`` says why) and is named in the error for the core to abort.
+        (so a passing fault loses nothing; a later output of the same request waits behind it, in order), and
+        a request whose output fails twice ends with ``"abort"`` (its ``stop_reason`` says why) and is named in
+        the error for the core to abort.
         """
         deltas: list[StreamDelta] = []
         to_abort: list[str] = []
         errors: dict[str, Exception] = {}
         failed: list[str] = []
         retry, self._retry = self._retry, {}
-        items = [(out, ts, True) for out, ts in retry.values()] + [(out, outputs.timestamp, False)
-                                                                   for out in outputs.outputs]
-        for out, timestamp, retried in items:
+        items = [item for waiting in retry.values() for item in waiting] + [(out, outputs.timestamp, False)
+                                                                           for out in outputs.outputs]
+        for out, timestamp, failed_before in items:
             state = self.states.get(out.request_id)
             if state is None or state.finished:
                 continue  # already ended here (e.g. a stop string), the core's report comes after
-            if out.request_id in self._retry:  # an earlier output of it waits: keep the order
-                errors.setdefault(out.request_id, RuntimeError("an earlier output failed"))
-                failed.append(out.request_id)
+            if out.request_id in self._retry:  # an earlier output of it failed just now: wait behind it, in order
+                self._retry[out.request_id].append((out, timestamp, failed_before))
                 continue
             restore = _checkpoint(state)
             try:
@@ -179,11 +180,11 @@ class OutputProcessor:
             except Exception as err:
                 restore()
                 errors[out.request_id] = err
-                if retried:
+                if failed_before:
                     delta = self._end_with_error(state, err, timestamp)
                     failed.append(out.request_id)
                 else:
-                    self._retry[out.request_id] = (out, timestamp)
+                    self._retry[out.request_id] = [(out, timestamp, True)]
                     continue
             if out.request_id not in errors:  # (applied, not ended by an error)
                 self.counters.generation_tokens += len(out.new_token_ids)

@@ -240,6 +240,9 @@ class _Worker:
                 self.step_start, self.layer_marks = time.perf_counter(), []
                 outputs = self.core.step()
                 self.report(outputs, time.perf_counter())
+                failure = self.core.take_failure()  # (after its step's tokens went out: nothing is lost)
+                if failure is not None:
+                    self.send({"kind": "warning", "message": f"{type(failure).__name__}: {failure}"})
 
     def handle(self, message: tuple) -> bool:
         from minipd.engine.request import EngineCoreOutputs
