@@ -12,7 +12,6 @@ the start of a stop string; it is held back until it cannot, and dropped if it d
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,19 +90,20 @@ class OutputProcessingError(RuntimeError):
 
 def _checkpoint(state: RequestState) -> Callable[[], None]:
     """A function that puts ``state`` back as it is now (everything :meth:`OutputProcessor._apply` changes)."""
-    metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
+    # O(1) per output (this runs for every token): lists that only grow are saved as their lengths.
+    metrics = dict(vars(state.metrics))
     detokenizer = state.detokenizer
     saved = (len(state.token_ids), state.text, state.held, state.logprobs, state.prompt_logprobs,
              state.finish_reason, state.stop_reason, len(detokenizer.token_ids), detokenizer.prefix_offset,
-             detokenizer.read_offset)
+             detokenizer.read_offset, len(state.metrics.token_times))
 
     def restore() -> None:
         (num_tokens, state.text, state.held, state.logprobs, state.prompt_logprobs, state.finish_reason,
-         state.stop_reason, num_detokenized, detokenizer.prefix_offset, detokenizer.read_offset) = saved
+         state.stop_reason, num_detokenized, detokenizer.prefix_offset, detokenizer.read_offset, num_times) = saved
         del state.token_ids[num_tokens:]
         del detokenizer.token_ids[num_detokenized:]
-        for f in dataclasses.fields(metrics):  # in place: outputs already handed out share this object
-            setattr(state.metrics, f.name, getattr(metrics, f.name))
+        del state.metrics.token_times[num_times:]
+        vars(state.metrics).update(metrics)  # in place: outputs already handed out share this object
 
     return restore
 
