@@ -11,7 +11,9 @@ detokenisation, stop strings and :class:`~minipd.outputs.RequestOutput` live in 
 Each step is a transaction: if the model raises (out of memory, Ctrl-C, a bug), the step's
 requests go back to waiting and nothing it half-wrote is ever registered for prefix reuse; what
 fails once the step's tokens exist (the eviction press, statistics) is reported after they are
-delivered, never instead of them (see :meth:`EngineCore.step`).
+delivered, never instead of them (see :meth:`StepCore.step <minipd.engine.step_core.StepCore.step>`).
+The loop itself is :class:`~minipd.engine.step_core.StepCore` (no tensors); this module builds its
+parts for a real model and fills its hooks.
 """
 
 from __future__ import annotations
@@ -19,17 +21,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from minipd.engine.config import EngineConfig
 from minipd.engine.model_runner import ModelRunner
-from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
+from minipd.engine.request import Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
-from minipd.engine.stats import StepStats
+from minipd.engine.step_core import StepCore
 from minipd.engine.threads import StepThreads, threads_for_step
 from minipd.kernels.backend import get_backend
 from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
@@ -50,21 +51,17 @@ logger = logging.getLogger("minipd")
 CPU_KV_MEMORY = 256 << 20
 
 
-def check_fits_pool(num_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
-                    what: str = "the request", pool: str = "the pool has") -> None:
-    """Refuse a request that could never fit a pool of ``num_blocks``, however long it waited."""
-    longest = min(max_model_len, num_tokens + max_tokens)
-    # The last sampled token is never fed back, so its K/V never need a slot.
-    blocks = -(-(longest - 1) // block_size)
-    if blocks > num_blocks:
-        raise ValueError(f"{what} may grow to {longest} tokens ({blocks} KV blocks) but {pool} "
-                         f"{num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+class EngineCore(StepCore):
+    """A continuous-batching engine over a paged KV cache for one model, driven by plain messages.
 
+    The step loop is :class:`~minipd.engine.step_core.StepCore`'s; this class builds the parts it runs
+    (the KV pool, the scheduler over it, the :class:`ModelRunner` as executor) from a model and an
+    :class:`EngineConfig`, and fills the loop's hooks: K/V imports, CPU thread counts, the eviction press.
+    ``clock`` is the loop's clock (``time.perf_counter`` by default).
+    """
 
-class EngineCore:
-    """A continuous-batching engine over a paged KV cache for one model, driven by plain messages."""
-
-    def __init__(self, model: DecoderModel, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model: DecoderModel, config: EngineConfig, max_model_len: int, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         # The engine's own view of the model (same weight tensors): the linears it packs or quantizes and
         # the MoE settings it makes stay its own, not those of the caller or of another engine on it.
         model = module_view(model)  # type: ignore[assignment]
@@ -107,21 +104,15 @@ class EngineCore:
                 num_blocks, config.block_size, adaptive_ratio(self.kv_spec, self.compressed_spec), low, high)
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)  # type: ignore[arg-type]
+        scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                              config.scheduling_policy)  # type: ignore[arg-type]
         if self.compressed_spec is not None:
-            self.scheduler.make_room = self._compress_one
+            scheduler.make_room = self._compress_one
         self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
                                   config.max_num_seqs, max_model_len)
+        super().__init__(scheduler, self.runner, max_model_len, clock=clock, stats_history=config.stats_history)
         if config.compile_decode:
             self.runner.compiled = self._compile_decode(max_model_len)
-        #: Live requests (waiting, running, waiting for K/V, or finished but holding K/V), by id.
-        self.requests: dict[str, Request] = {}
-        #: The most recent steps' records (a ring buffer: a long-running service does not grow).
-        self.step_stats: deque[StepStats] = deque(maxlen=config.stats_history)
-        #: Called with every step's record, for consumers that keep their own (metrics exporters).
-        self.step_callbacks: list[Callable[[StepStats], None]] = []
-        self.num_steps = 0
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
         self.press = None if config.kv_eviction is None else make_press(config.kv_eviction)
@@ -139,7 +130,6 @@ class EngineCore:
         self.num_evicted_tokens = 0
         #: A step whose eviction failed (done again before the next step), and the error kept for the caller.
         self._pending_eviction: ScheduledBatch | None = None
-        self._failure: Exception | None = None
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
@@ -244,11 +234,6 @@ class EngineCore:
         return self.pool.num_tokens
 
     # ---------------------------------------------------------------------------------- requests
-    def check_fits(self, num_tokens: int, max_tokens: int, what: str = "the request") -> None:
-        """Refuse a request that could never fit the pool, however long it waited."""
-        check_fits_pool(num_tokens, max_tokens, self.max_model_len, self.config.block_size,
-                        self.block_manager.num_blocks, what)
-
     def add_request(self, request: Request, kv: PackedKV | None = None) -> None:
         """Queue a request. With ``kv``, its first ``request.num_external_tokens`` tokens' K/V are given.
 
@@ -262,12 +247,6 @@ class EngineCore:
 
     def _accept(self, request: Request, kv: PackedKV | None = None) -> None:
         """Check a new request (and the K/V given with it) and make it live."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not 0 <= request.num_external_tokens < request.num_tokens:
-            raise ValueError(f"num_external_tokens must be in [0, {request.num_tokens}) for a request of "
-                             f"{request.num_tokens} tokens (the last token is computed to sample the next), "
-                             f"got {request.num_external_tokens}")
         if kv is not None:
             if kv.num_blocks != -(-kv.num_tokens // self.config.block_size):
                 raise ValueError(f"the KV given has {kv.num_blocks} blocks for {kv.num_tokens} tokens of "
@@ -278,8 +257,7 @@ class EngineCore:
             if kv.spec != self.kv_spec:
                 raise ValueError(f"KV format mismatch: given {kv.spec.to_dict()}, this engine stores "
                                  f"{self.kv_spec.to_dict()}")
-        self.check_fits(request.num_tokens, request.params.max_tokens)
-        self.requests[request.request_id] = request
+        super()._accept(request)
 
     # ---------------------------------------------------------------------------- reservations
     def reserve_blocks(self, key: str, num_tokens: int) -> list[int] | None:
@@ -316,35 +294,6 @@ class EngineCore:
         self._accept(request)
         request.blocks = self._reservations.pop(key)
         self.scheduler.add_with_kv(request)
-
-    def abort_requests(self, request_ids: Iterable[str],
-                       reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:
-        """Stop requests now; one final output for each that was live.
-
-        Their blocks are freed, except that a ``hold_kv`` request ended for another ``reason`` than
-        an abort (the front end found a stop string) keeps them, as if it had ended here.
-        """
-        outputs = []
-        for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            self._imports.pop(request_id, None)
-            if request is None:
-                continue
-            if request.status is RequestStatus.FINISHED_HOLDING_KV:
-                self.scheduler.release_kv(request_id)
-                continue
-            request.finish(reason)
-            self.scheduler.finish(request)
-            if request.status is RequestStatus.FINISHED_HOLDING_KV:
-                self.requests[request_id] = request  # still live: its K/V may be exported until released
-            outputs.append(self._output(request, []))
-        if not self.has_unfinished_requests():
-            self.threads.restore()
-        return outputs
-
-    def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting, waiting for K/V, or running."""
-        return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------------------- KV in and out
     def kv_blocks_of(self, request_id: str) -> list[int]:
@@ -405,143 +354,62 @@ class EngineCore:
         return request
 
     # -------------------------------------------------------------------------------------- step
-    def step(self) -> EngineCoreOutputs:
-        """Run one scheduling step; report every request that got a token or finished.
-
-        A step is all or nothing for its tokens; per stage:
-
-        - scheduling, the forward pass, sampling: nothing is committed yet, so the step is rolled back
-          and the error raised. Its requests wait again, holding nothing the step wrote, and the next step
-          recomputes them (sampling is seeded by token index, so the tokens are the same).
-        - the eviction press (after the tokens exist, since it scores the K/V the step wrote): the step's
-          outputs are returned and the error kept for :meth:`take_failure`; the eviction is done again
-          first thing next step, before anything computes, so the run goes on exactly as if it had not
-          failed. If it fails again it is skipped (the blocks are kept, and later steps evict what each
-          request still holds over its budget) and that error is kept in turn: a press that keeps failing
-          costs memory, never tokens, and never stalls the engine.
-        - the step's statistics: the outputs are returned and the error kept (the record is lost).
-
-        The front end raises a kept error once it has delivered the step's outputs
-        (:meth:`Engine.step <minipd.engine.engine.Engine.step>`); one not taken is raised by the next step
-        before it does anything. Either way, stepping on after an error loses no token, and changes none
-        unless the press fails twice.
-        """
-        self._raise_failure()
+    # ------------------------------------------------------------------------- the step's hooks
+    # The step itself is StepCore.step. A failure of the eviction press (it runs once the step's tokens
+    # exist, since it scores the K/V the step wrote) is kept, not raised: the eviction is done again first
+    # thing next step, before anything computes, so the run goes on exactly as if it had not failed. If it
+    # fails again it is skipped (the blocks are kept, and later steps evict what each request still holds
+    # over its budget): a press that keeps failing costs memory, never tokens, and never stalls the engine.
+    def _before_step(self) -> None:
         if self._pending_eviction is not None:
             batch, self._pending_eviction = self._pending_eviction, None
             try:
                 self._evict(batch)
             except Exception as err:
                 # Failed twice: give it up rather than stall every step behind a press that keeps failing.
-                # The blocks are simply kept (each request's next step evicts what it still holds over budget).
                 self._keep_failure(err, "the eviction press failed again; this eviction is skipped")
             except BaseException:
                 self._pending_eviction = batch  # interrupted (Ctrl-C): still owed, done first next step
                 raise
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        try:
-            if self._apply_imports() and not batch:
-                # The K/V just imported let those requests compute now.
-                first, batch = batch, self.scheduler.schedule()
-                batch.preempted[:0] = first.preempted
-        except BaseException:
-            self.scheduler.rollback(batch)
-            raise
+
+    def _with_arrivals(self, batch: ScheduledBatch) -> ScheduledBatch:
+        if self._apply_imports() and not batch:
+            # The K/V just imported let those requests compute now.
+            first, batch = batch, self.scheduler.schedule()
+            batch.preempted[:0] = first.preempted
         if self._imports and batch:
             # K/V handed over for a prefix the local cache already had are not needed: let them go.
             for request, _ in batch.entries:
                 self._imports.pop(request.request_id, None)
-        if not batch:
-            sched = self.scheduler
-            if (sched.waiting and not sched.running and not sched.waiting_for_kv
-                    and self.block_manager.num_used_blocks == 0):
-                # Requests are checked to fit the pool on arrival and nothing holds a block, so this is a bug.
-                raise RuntimeError("the scheduler could not schedule any of the waiting requests")
-            # Otherwise blocks are held outside the running set (K/V kept for a receiver, pinned, or
-            # arriving): the waiting requests go on once those are released.
-            return EngineCoreOutputs([], start)
-        decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the step changes them
-        try:
-            if self.device.type == "cpu":
-                # A compiled decode step runs its whole bucket, and its program was built for the thread
-                # count of that size: choose by the bucket, not the live rows, or it would be built again.
-                bucket = self.runner.compiled_bucket(batch)
-                step_tokens = bucket[0] if bucket is not None else sum(n for _, n in batch.entries)
-                self.threads.enter(threads_for_step(self.config.cpu_threads, step_tokens, self.default_threads))
-            sampled, tokens, logprobs, prompt_logprobs = self.runner.execute(batch)
-        except BaseException:
-            # Nothing this step wrote may be read: its requests go back to waiting, holding no K/V of it.
-            self.scheduler.rollback(batch)
-            self.threads.restore()
-            raise
-        self.scheduler.commit(batch)
-        now = time.perf_counter()
-        outputs: list[EngineCoreOutput] = []
-        num_prefill = num_decode = 0
-        for (request, n), is_decode in zip(batch.entries, decodes, strict=True):
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = start
-            if is_decode:
-                num_decode += 1
-            else:
-                num_prefill += n
-                request.num_prefill_tokens += n
-        for request, _ in batch.entries:  # kept until the first token, which carries them all
-            scored = prompt_logprobs.get(request.request_id)
-            if scored:
-                request.num_prompt_logprobs_done += len(scored)
-                request.pending_prompt_logprobs.extend(scored)
-        for request, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
-            request.append_token(token)
-            if request.finish_reason is not None:
-                self.scheduler.finish(request)
-                if request.status is RequestStatus.FINISHED:
-                    del self.requests[request.request_id]
-            scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
-            outputs.append(self._output(request, [token], None if token_logprobs is None else [token_logprobs],
-                                        scored or None))
-        # The step's tokens exist from here on: nothing below may lose them (see the docstring).
+        return batch
+
+    def _enter_step(self, batch: ScheduledBatch) -> None:
+        if self.device.type == "cpu":
+            # A compiled decode step runs its whole bucket, and its program was built for the thread
+            # count of that size: choose by the bucket, not the live rows, or it would be built again.
+            bucket = self.runner.compiled_bucket(batch)
+            step_tokens = bucket[0] if bucket is not None else batch.num_tokens
+            self.threads.enter(threads_for_step(self.config.cpu_threads, step_tokens, self.default_threads))
+
+    def _leave_step(self) -> None:
+        self.threads.restore()
+
+    def _after_tokens(self, batch: ScheduledBatch) -> None:
         if self.press is not None:
             try:
                 self._evict(batch)
             except Exception as err:
                 self._pending_eviction = batch
                 self._keep_failure(err, "the eviction press failed; it runs again before the next step")
-        try:
-            self._record(StepStats(
-                start_time=start, duration=now - start, num_prefill_tokens=num_prefill,
-                num_decode_tokens=num_decode, num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting), kv_blocks_used=self.block_manager.num_used_blocks,
-                kv_blocks_free=self.block_manager.num_free_blocks, prefix_hit_rate=self.block_manager.stats.hit_rate,
-                num_preemptions=len(batch.preempted), step=self.num_steps,
-                num_waiting_for_kv=len(self.scheduler.waiting_for_kv),
-                num_context_tokens=sum(request.num_computed_tokens for request, _ in batch.entries),
-                prefill_chunk_sizes=tuple(n for (_, n), is_decode in zip(batch.entries, decodes, strict=True)
-                                          if not is_decode),
-                prefix_queried_tokens=self.block_manager.stats.queried_tokens,
-                prefix_hit_tokens=self.block_manager.stats.hit_tokens, **self._adaptive_stats(),
-                **self._routing_stats()))
-        except Exception as err:
-            self._keep_failure(err, "recording the step's statistics failed")
-        if not self.has_unfinished_requests():
-            self.threads.restore()  # the run is over: the caller's thread count is back
-        return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
-    def _keep_failure(self, err: Exception, what: str) -> None:
-        logger.error("%s (the step's tokens are kept): %s: %s", what, type(err).__name__, err)
-        if self._failure is None:
-            self._failure = err
+    def _extra_stats(self) -> dict:
+        return {**self._adaptive_stats(), **self._routing_stats()}
 
-    def take_failure(self) -> Exception | None:
-        """The error of the last step's work after its tokens (press, statistics), if any; taking it clears it."""
-        failure, self._failure = self._failure, None
-        return failure
+    def _run_ended(self) -> None:
+        self.threads.restore()  # the run is over: the caller's thread count is back
 
-    def _raise_failure(self) -> None:
-        failure = self.take_failure()
-        if failure is not None:
-            raise failure
+    def _forget(self, request_id: str) -> None:
+        self._imports.pop(request_id, None)
 
     def _compress_one(self) -> bool:
         """Compress the running full-precision request holding the most blocks; False if there is none."""
@@ -648,19 +516,3 @@ class EngineCore:
             self.scheduler.kv_arrived(request_id)
             arrived = True
         return arrived
-
-    def _record(self, stats: StepStats) -> None:
-        self.num_steps += 1
-        self.step_stats.append(stats)
-        for callback in self.step_callbacks:
-            try:
-                callback(stats)
-            except Exception:  # an observer's bug must not lose the step's tokens
-                logger.exception("step callback %r failed; the step's outputs are kept", callback)
-
-    @staticmethod
-    def _output(request: Request, new_tokens: list[int], new_logprobs: list[dict[int, float]] | None = None,
-                new_prompt_logprobs: list[dict[int, float]] | None = None) -> EngineCoreOutput:
-        return EngineCoreOutput(request.request_id, new_tokens, request.finish_reason, request.stop_reason,
-                                request.num_cached_tokens, request.num_preemptions, request.num_prefill_tokens,
-                                request.first_scheduled_time, new_logprobs, new_prompt_logprobs)

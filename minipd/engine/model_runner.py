@@ -14,13 +14,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from minipd.engine.request import Request
 from minipd.engine.scheduler import ScheduledBatch
+from minipd.engine.step_core import StepResult
 from minipd.kernels.backend import KernelBackend
 from minipd.kv.paged_cache import PagedAttentionMetadata, PagedKVCache
 from minipd.kv.paged_pool import PagedKVPool
@@ -72,18 +73,6 @@ class InputBuffers:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A slice of a host buffer on the model's device (the slice itself on CPU: no copy)."""
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
-
-
-class StepResult(NamedTuple):
-    """What :meth:`ModelRunner.execute` gives back for one step."""
-
-    #: Requests that got a new token, and those tokens.
-    sampled: list[Request]
-    tokens: list[int]
-    #: For each sampled request, {token id: log-probability} when it asked for ``logprobs``.
-    logprobs: list[dict[int, float] | None]
-    #: For requests asking for ``prompt_logprobs``: one dict per prompt token computed this step.
-    prompt_logprobs: dict[str, list[dict[int, float]]]
 
 
 def top_logprobs(row: torch.Tensor, chosen: int, k: int) -> dict[int, float]:
@@ -170,7 +159,7 @@ class ModelRunner:
                 if tail is not None:
                     decode_tables[i, tail[0]] = tail[1]
             decode_lens.append(c + 1)
-            if p + 1 == r.num_tokens:
+            if r.samples_after(1):
                 to_sample.append(r)
                 rows.append(i)
         lens[:num_decode] = decode_lens
@@ -195,7 +184,7 @@ class ModelRunner:
             offset += n
             query_start.append(query_start[-1] + n)
             prefill_lens.append(c + n)
-            if p + n == r.num_tokens:
+            if r.samples_after(n):
                 to_sample.append(r)
                 rows.append(offset - 1)
         lens[num_decode:num_decode + num_prefill] = prefill_lens

@@ -110,6 +110,11 @@ class Request:
         """Whether computing ``num_new`` tokens now is a decode step: the one token sampled last."""
         return num_new == 1 and self.num_computed_tokens + 1 == self.num_tokens and self.num_output_tokens > 0
 
+    def samples_after(self, num_new: int) -> bool:
+        """Whether computing ``num_new`` more tokens now reaches the end of the sequence, so that a next
+        token is sampled (not so for a prefill chunk short of the prompt's end). Asked before the step."""
+        return self.num_computed_tokens + num_new == self.num_tokens
+
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V still have to be computed before the next token can be sampled."""

@@ -44,6 +44,19 @@ class ScheduledBatch:
         return bool(self.entries)
 
 
+@dataclass
+class StepUpdate:
+    """What :meth:`Scheduler.update` did with one step's results, for the step's record."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    #: Tokens each request of the step attends to, summed (its context after the step).
+    num_context_tokens: int = 0
+    prefill_chunk_sizes: tuple[int, ...] = ()
+    #: Requests whose new token ended them (out of the queues; holding K/V if they asked to).
+    finished: list[Request] = field(default_factory=list)
+
+
 class SchedulingPolicy:
     """Which queue gets the token budget first. Subclass and pass to :class:`Scheduler` to try others."""
 
@@ -245,6 +258,29 @@ class Scheduler:
         request.status = RequestStatus.WAITING
 
     # ------------------------------------------------------------------------- after the step
+    def update(self, batch: ScheduledBatch, sampled: list[Request], tokens: list[int], start: float) -> StepUpdate:
+        """The executor ran ``batch`` (it started at ``start``) and sampled ``tokens`` for ``sampled``:
+        commit the step, append the tokens, and take finished requests out of the queues."""
+        decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the commit advances them
+        self.commit(batch)
+        update = StepUpdate()
+        for (request, n), is_decode in zip(batch.entries, decodes, strict=True):
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+            update.num_context_tokens += request.num_computed_tokens
+            if is_decode:
+                update.num_decode_tokens += 1
+            else:
+                update.num_prefill_tokens += n
+                update.prefill_chunk_sizes += (n,)
+                request.num_prefill_tokens += n
+        for request, token in zip(sampled, tokens, strict=True):
+            request.append_token(token)
+            if request.finish_reason is not None:
+                self.finish(request)
+                update.finished.append(request)
+        return update
+
     def commit(self, batch: ScheduledBatch) -> None:
         """The model ran: advance each request and register its newly full blocks for reuse."""
         bm = self.block_manager

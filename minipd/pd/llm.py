@@ -51,10 +51,10 @@ from typing import Any
 
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
-from minipd.engine.core import check_fits_pool
 from minipd.engine.inputs import PromptInput, encode_prompt, normalize_params, normalize_prompts
 from minipd.engine.output_processor import OutputProcessor, RequestState
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
+from minipd.engine.step_core import check_fits_pool
 from minipd.errors import ParameterError
 from minipd.kv.quant import PER_TOKEN_FORMATS
 from minipd.models.registry import resolve_model
