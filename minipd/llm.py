@@ -118,6 +118,17 @@ class LLM:
         residual window is a fixed cost on top, see ``PagedKVPool.residual_bytes``)."""
         return self.engine.core.kv_spec.bytes_per_token
 
+    def describe(self) -> dict:
+        """What this LLM's engine runs with, every "auto" resolved (kernels, linears, KV format, compiled
+        decode, ...); also its ``repr``."""
+        info = {"model": str(self.model_path.name), **self.engine.core.describe()}
+        if self.expert_parallel is not None:
+            info["expert_parallel_size"] = self.engine.core.config.expert_parallel_size
+        return info
+
+    def __repr__(self) -> str:
+        return f"LLM({', '.join(f'{k}={v!r}' for k, v in self.describe().items())})"
+
     def get_tokenizer(self) -> Tokenizer:
         """The tokenizer requests are encoded and decoded with."""
         return self.tokenizer

@@ -7,6 +7,7 @@ import torch
 from helpers import VOCAB, make_hf_model
 
 from minipd import LLM, RequestOutput, SamplingParams
+from minipd.kernels.backend import BACKENDS
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,13 @@ def test_top_p_one_and_top_k_minus_one_filter_nothing():
     kept = torch.isfinite(mixed[2])
     probs = logits[2].softmax(-1)
     assert probs[kept].sum() >= 0.5 and probs[kept].sum() - probs[kept].min() < 0.5
+
+
+def test_the_repr_says_what_the_engine_really_runs_with():
+    llm = LLM("tiny-py", linear_backend="torch", kv_cache_dtype="int8", num_kv_blocks=64)
+    info = llm.describe()
+    assert info["model"] == "tiny-py" and info["linear_backend"] == "torch" and info["kv_cache_dtype"] == "int8"
+    assert info["num_kv_blocks"] == 64 and info["compile_decode"] == "off" and info["kernel_backend"] in BACKENDS
+    assert repr(llm).startswith("LLM(model='tiny-py'") and "linear_backend='torch'" in repr(llm)
+    auto = LLM("tiny-py").describe()
+    assert auto["kv_cache_dtype"] == "float32" and auto["linear_backend"] in ("torch", "onednn")  # "auto" resolved

@@ -98,10 +98,13 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
     if kernel_backend == "cpu":
         need_cpu_kernel()
     make_hf_model(tmp_path, "qwen3", max_position_embeddings=64)  # q/k norms, untied head
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
     llm = LLM(str(tmp_path), compile_decode=True, compile_warmup=True, compile_batch_sizes=(1, 2), block_size=16,
               max_model_len=32, max_num_seqs=2, kernel_backend=kernel_backend)
     compiled = llm.engine.core.runner.compiled
     assert compiled.compiled == buckets
+    # Dynamo's limits were raised only while the buckets were traced, not for the rest of the process.
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == limits
     # Warm-up wrote only dummy rows: outputs are the eager engine's, and nothing is compiled again.
     from torch._dynamo.utils import counters
 

@@ -124,12 +124,12 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(pool.k)
             torch._dynamo.mark_static_address(pool.v)
         # Every bucket is its own graph, and every engine in the process adds its own to the same traced
-        # function: past dynamo's limit (8) it would quietly run eagerly, so the limit grows with them.
-        config = torch._dynamo.config
+        # function: past dynamo's limit (8) it would quietly run eagerly, so the limit grows with them --
+        # only while this class traces (a scoped patch, see run()), not for the rest of the process.
         # (Doubled, with room: a program is also traced again when torch's thread count changes.)
         CompiledDecode._graphs += len(self.batch_sizes) * len(self.widths)
-        config.recompile_limit = max(config.recompile_limit, 2 * CompiledDecode._graphs + 8)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * CompiledDecode._graphs + 8)
+        #: (bucket, thread count) pairs traced: a new one may trace again, under the raised limits.
+        self._traced: set[tuple[tuple[int, int], int]] = set()
         # On a CPU: weights frozen as constants (folded once), and no per-call checks of every input's
         # layout, which cost ~0.1 ms a step at batch 1 (the inputs are built by run() and cannot vary).
         cpu_options = {"freezing": True, "size_asserts": False, "alignment_asserts": False}
@@ -193,7 +193,16 @@ class CompiledDecode:
         pos[:batch].copy_(positions)
         tables[:batch, :width].copy_(block_tables)
         lens[:batch].copy_(context_lens)
-        logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+        key = (bucket, torch.get_num_threads())
+        if key in self._traced:
+            logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+        else:  # may trace: raise dynamo's limits for this call only (a patch costs ~30 us, too much per step)
+            limit = 2 * CompiledDecode._graphs + 8
+            with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
+                                            accumulated_recompile_limit=max(
+                                                limit, torch._dynamo.config.accumulated_recompile_limit)):
+                logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+            self._traced.add(key)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
         self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))

@@ -193,6 +193,26 @@ class EngineCore(StepCore):
             pack_linears(model)
         return backend
 
+    def describe(self) -> dict:
+        """What this engine actually runs with (after "auto" choices and fallbacks): kernels, linears, KV
+        format and pool, compiled decode, MoE path."""
+        compiled = self.runner.compiled
+        dtype = str(self.dtype).removeprefix("torch.")
+        info = {"device": str(self.device), "dtype": dtype,
+                "kernel_backend": self.kernels.name, "linear_backend": self.linear_backend,
+                "weight_dtype": "int8" if self.config.weight_dtype == "int8" else dtype,
+                "kv_cache_dtype": (self.config.kv_cache_dtype if self.config.kv_cache_dtype != "auto"
+                                   else str(self.kv_spec.dtype).removeprefix("torch.")),
+                "num_kv_blocks": self.block_manager.num_blocks, "block_size": self.config.block_size,
+                "compile_decode": (f"on ({len(compiled.batch_sizes)} batch sizes)" if compiled is not None
+                                   else "off"),
+                "scheduling_policy": self.scheduler.policy.name}
+        if self.moe_layers:
+            info["moe_backend"] = self.config.moe_backend
+        if self.press is not None:
+            info["kv_eviction"] = type(self.press).__name__
+        return info
+
     @property
     def num_residual_slots(self) -> int:
         """Full-precision blocks a KIVI pool keeps for filling blocks: one per running sequence."""

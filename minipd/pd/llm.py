@@ -92,6 +92,8 @@ class _Worker:
     silence_limit: float = 0.0
     #: Declared dead: nothing it says is heard any more, and it is never routed to again.
     fenced: bool = False
+    #: What its engine runs with (``EngineCore.describe()``, as the worker reported it when ready).
+    engine: dict = field(default_factory=dict)
 
     @property
     def alive(self) -> bool:
@@ -205,6 +207,7 @@ class DisaggregatedLLM:
             raise ValueError("kv_cache_dtype='adaptive' mixes formats within one pool, which KV transfer does not "
                              "handle yet; pick one format for disaggregated serving")
         folder = resolve_model(model)
+        self.model_name = folder.name
         self.config = ModelConfig.from_pretrained(folder)
         self.tokenizer = Tokenizer(folder)
         self.max_model_len = llm_options.get("max_model_len") or self.config.max_position_embeddings
@@ -360,9 +363,27 @@ class DisaggregatedLLM:
                 worker = self._workers[message["worker"]]
                 worker.pid, worker.peer = message["pid"], message["peer"]
                 worker.free_blocks = worker.num_blocks = message["num_kv_blocks"]
+                engine = message.get("engine")
+                worker.engine = {str(k): str(v) for k, v in engine.items()} if isinstance(engine, dict) else {}
                 # From now on its silence is judged (loading the model may take any time).
                 worker.last_seen, worker.silence_limit = time.monotonic(), self._heartbeat_timeout
                 waiting.discard(worker.name)
+
+    def describe(self) -> dict:
+        """What this cluster runs with: KV transfer and transport, the workers, and each role's engine
+        (kernels, linears, KV format, compiled decode, as the first live worker of the role reported)."""
+        info: dict[str, Any] = {"model": self.model_name, "kv_transfer": self.kv_transfer,
+                                "kv_transport": self.kv_transport,
+                                "kv_transfer_dtype": self.kv_transfer_dtype}
+        for role in ("prefill", "decode"):
+            workers = [w for w in self._workers.values() if w.role == role and not w.fenced]
+            info[f"num_{role}_workers"] = len(workers)
+            if workers:
+                info[f"{role}_engine"] = dict(workers[0].engine)
+        return info
+
+    def __repr__(self) -> str:
+        return f"DisaggregatedLLM({', '.join(f'{k}={v!r}' for k, v in self.describe().items())})"
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The pids of the live workers, by role (kill one to watch the others take over)."""

@@ -171,7 +171,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
                                            transport["address"], -(-core.max_model_len // core.config.block_size),
                                            transport.get("wire_dtype"), host=host)
         send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
-              "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict()})
+              "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict(),
+              "engine": {k: str(v) for k, v in core.describe().items()}})
         _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
     except Exception as err:
         # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
