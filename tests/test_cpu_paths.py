@@ -215,3 +215,29 @@ def test_int8_weights_in_the_engine_and_in_the_quality_table():
     assert method_options("weights-int8") == {"weight_dtype": "int8"}
     with pytest.raises(ValueError, match="weight_dtype must be 'auto' or 'int8'"):
         LLM("tiny-py", weight_dtype="int4")
+
+
+def test_two_engines_on_one_model_keep_their_own_linears():
+    """Packing (oneDNN) and int8 quantization apply to the engine's view of the model, never to a model
+    another engine (or the caller) holds: each engine runs the linears it asked for."""
+    from minipd.engine.config import EngineConfig
+    from minipd.engine.core import EngineCore
+    from minipd.kernels.int8_linear import Int8Linear
+    from minipd.models.loading import load_model
+
+    def kinds(m: nn.Module) -> set[str]:
+        return {type(x).__name__ for x in m.modules() if isinstance(x, (nn.Linear, PackedLinear, Int8Linear))}
+
+    model, _ = load_model("tiny-py")
+    before = kinds(model)
+    cores = {name: EngineCore(model, EngineConfig(num_kv_blocks=32, **options), 256) for name, options in
+             {"torch": {"linear_backend": "torch"}, "int8": {"weight_dtype": "int8"},
+              **({"onednn": {"linear_backend": "onednn"}} if onednn_available() else {})}.items()}
+    assert kinds(model) == before  # the caller's model is untouched
+    assert cores["torch"].linear_backend == "torch" and "PackedLinear" not in kinds(cores["torch"].model)
+    assert "Int8Linear" in kinds(cores["int8"].model)
+    if "onednn" in cores:
+        assert cores["onednn"].linear_backend == "onednn" and "PackedLinear" in kinds(cores["onednn"].model)
+        assert "PackedLinear" not in kinds(cores["torch"].model)  # built before, still its own
+    else:
+        print("oneDNN is not available here: the packed engine of this check was not built")
