@@ -6,6 +6,8 @@ import importlib.util
 
 import torch
 
+from minipd.errors import ParameterError
+
 
 def default_device() -> torch.device:
     """CUDA when present, otherwise the CPU. No code path assumes a GPU."""
@@ -44,26 +46,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return default_device()
     available = ", ".join(available_devices())
     if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device must be None, a string such as 'cpu' or 'cuda:0', or a torch.device; "
-                         f"got {type(device).__name__} (available here: {available})")
+        raise ParameterError("device", f"device must be None, a string such as 'cpu' or 'cuda:0', or a torch.device; "
+                                       f"got {type(device).__name__} (available here: {available})")
     try:
         resolved = torch.device(device)
     except RuntimeError as err:  # torch's message lists device types minipd does not run on; ours is shorter
-        raise ValueError(f"device {device!r} is not a device name (available here: {available})") from err
+        raise ParameterError("device", f"device {device!r} is not a device name (available here: {available})") from err
     if resolved.type == "cpu":
         return resolved
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device {device!r} needs CUDA, which this machine lacks (available here: {available})")
+            raise ParameterError("device", f"device {device!r} needs CUDA, which this machine lacks "
+                                           f"(available here: {available})")
         if resolved.index is not None and resolved.index >= count:
-            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s) "
-                             f"(available here: {available})")
+            raise ParameterError("device", f"device {device!r}: this machine has {count} CUDA device(s) "
+                                           f"(available here: {available})")
         return resolved
     if resolved.type == "mps" and torch.backends.mps.is_available():
         return resolved
-    raise ValueError(f"device {device!r} is not available; minipd runs on cpu, cuda or mps "
-                     f"(available here: {available})")
+    raise ParameterError("device", f"device {device!r} is not available; minipd runs on cpu, cuda or mps "
+                                   f"(available here: {available})")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
@@ -80,7 +83,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
         return DTYPE_NAMES[dtype.lower()]
     allowed = ", ".join(["'auto'", *(repr(n) for n in DTYPE_NAMES), "torch.float32", "torch.float16",
                          "torch.bfloat16"])
-    raise ValueError(f"dtype must be None or one of {allowed}; got {dtype!r}")
+    raise ParameterError("dtype", f"dtype must be None or one of {allowed}; got {dtype!r}")
 
 
 def kernel_backends() -> dict[str, str]:

@@ -60,7 +60,8 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_path)
         context = self.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= context:
-            raise ValueError(f"max_model_len must be in [2, {context}] for this model, got {max_model_len}")
+            raise ParameterError("max_model_len",
+                                 f"max_model_len must be in [2, {context}] for this model, got {max_model_len}")
         self.max_model_len = max_model_len or context
         eos = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -201,7 +202,7 @@ class LLM:
         """
         prompts = normalize_prompts(prompt)
         if len(prompts) != 1:
-            raise ValueError(f"stream takes one prompt, got {len(prompts)}; use generate for several")
+            raise ParameterError("prompt", f"stream takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
         with self._lock:
             state = self.engine.make_request(prompts[0], params)

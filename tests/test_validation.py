@@ -6,6 +6,7 @@ folders (each error names the file), and the command line (one ``error:`` line, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,11 +27,22 @@ from minipd.cli import main
 from minipd.device import resolve_device, resolve_dtype
 from minipd.engine.config import EngineConfig
 from minipd.engine.scheduler import PrefillFirst
+from minipd.errors import ParameterError
 from minipd.models.loading import load_model
 from minipd.models.registry import bundled_models_dir
 from minipd.models.weights import checkpoint_files
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def refused(param: str | None, match: str):
+    """Expect a :class:`ParameterError` (a ``ValueError``) matching ``match`` whose ``param`` is ``param``
+    (None: any field the message names), as a server filling OpenAI's ``param`` needs."""
+    with pytest.raises(ParameterError, match=match) as err:
+        yield err
+    named = err.value.param
+    assert named == param if param is not None else (named and named in str(err.value)), named
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
 
@@ -87,7 +99,7 @@ def still_generates(llm: LLM) -> None:
 )
 def test_sampling_params_refuses(kwargs, field):
     (value,) = kwargs.values()
-    with pytest.raises(ValueError, match=rf"^{field} must .*got {re.escape(repr(value))}$"):
+    with refused(field, rf"^{field} must .*got {re.escape(repr(value))}$"):
         SamplingParams(**kwargs)
 
 
@@ -133,13 +145,13 @@ def test_negative_seed_wraps_like_torch(llm):
     ],
 )
 def test_engine_config_refuses(option, value):
-    with pytest.raises(ValueError, match=rf"^{option} must .*got {re.escape(repr(value))}$"):
+    with refused(option, rf"^{option} must .*got {re.escape(repr(value))}$"):
         EngineConfig(**{option: value})
 
 
 @pytest.mark.parametrize("policy", [123, "random", None, PrefillFirst])
 def test_scheduling_policy_refused_names_the_allowed_ones(policy):
-    with pytest.raises(ValueError, match=r"^scheduling_policy must be one of") as err:
+    with refused("scheduling_policy", r"^scheduling_policy must be one of") as err:
         EngineConfig(scheduling_policy=policy)
     assert all(name in str(err.value) for name in ("'decode-first'", "'fcfs'", "'prefill-first'", "SchedulingPolicy"))
     if policy is PrefillFirst:
@@ -156,7 +168,7 @@ def test_engine_config_accepts_whole_float_memory_numpy_ints_and_policy_objects(
 
 def test_engine_options_are_checked_before_the_model_is_looked_up():
     # The model does not exist; the option error comes first, so nothing was read or loaded.
-    with pytest.raises(ValueError, match=r"^block_size must"):
+    with refused("block_size", r"^block_size must"):
         LLM("no-such-model", block_size=True)
 
 
@@ -175,7 +187,7 @@ def test_engine_options_are_checked_before_the_model_is_looked_up():
     ],
 )
 def test_bad_prompts_are_refused_and_the_llm_keeps_working(llm, prompts, message):
-    with pytest.raises(ValueError, match=message):
+    with refused(None, message):
         llm.generate(prompts, GREEDY)
     still_generates(llm)
 
@@ -189,7 +201,7 @@ def test_numpy_token_ids_are_plain_ints(llm):
 
 
 def test_sampling_params_of_the_wrong_type_are_refused(llm):
-    with pytest.raises(ValueError, match=r"^sampling_params must be .*got int"):
+    with refused("sampling_params", r"^sampling_params must be .*got int"):
         llm.generate("x", 5)
     still_generates(llm)
 
@@ -211,17 +223,17 @@ def test_sampling_params_of_the_wrong_type_are_refused(llm):
 def test_llm_arguments_are_checked_before_loading(kwargs, field):
     (value,) = kwargs.values()
     # "no-such-model" would fail later: the argument must be refused first.
-    with pytest.raises(ValueError, match=rf"^{field} must .*got {re.escape(repr(value))}$"):
+    with refused(field, rf"^{field} must .*got {re.escape(repr(value))}$"):
         LLM("no-such-model", **kwargs)
 
 
 def test_max_model_len_beyond_the_context_names_the_limit():
-    with pytest.raises(ValueError, match=r"^max_model_len must be in \[2, 1024\] for this model, got 1025"):
+    with refused("max_model_len", r"^max_model_len must be in \[2, 1024\] for this model, got 1025"):
         LLM("tiny-py", device="cpu", max_model_len=1025)
 
 
 def test_device_the_machine_lacks_is_refused_before_loading():
-    with pytest.raises(ValueError, match=r"^device 'cuda:99'.*available here: cpu"):
+    with refused("device", r"^device 'cuda:99'.*available here: cpu"):
         LLM("no-such-model", device="cuda:99")
 
 
@@ -237,7 +249,7 @@ def test_device_the_machine_lacks_is_refused_before_loading():
     ],
 )
 def test_resolve_device_refuses_garbage(device, message):
-    with pytest.raises(ValueError, match=message):
+    with refused("device", message):
         resolve_device(device)
 
 
@@ -248,9 +260,9 @@ def test_resolve_device_on_a_cpu_machine(monkeypatch):
     assert resolve_device(None) == torch.device("cpu")
     assert resolve_device("cpu") == resolve_device(torch.device("cpu")) == torch.device("cpu")
     for device in ("cuda", "cuda:0", torch.device("cuda")):
-        with pytest.raises(ValueError, match=r"needs CUDA, which this machine lacks \(available here: cpu\)$"):
+        with refused("device", r"needs CUDA, which this machine lacks \(available here: cpu\)$"):
             resolve_device(device)
-    with pytest.raises(ValueError, match=r"^device 'mps' is not available.*\(available here: cpu\)$"):
+    with refused("device", r"^device 'mps' is not available.*\(available here: cpu\)$"):
         resolve_device("mps")
 
 
@@ -259,7 +271,7 @@ def test_resolve_device_with_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert resolve_device("cuda:0") == torch.device("cuda:0")
     assert resolve_device("cuda") == torch.device("cuda")
-    with pytest.raises(ValueError, match=r"^device 'cuda:7': this machine has 1 CUDA device\(s\) "
+    with refused("device", r"^device 'cuda:7': this machine has 1 CUDA device\(s\) "
                                          r"\(available here: cpu, cuda:0"):
         resolve_device("cuda:7")
 
@@ -279,7 +291,7 @@ def test_resolve_dtype_accepts(dtype, expected):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8, "fp8", "torch.float16", 16, True])
 def test_resolve_dtype_refuses(dtype):
     allowed = r"'auto', 'float32', 'fp32', 'float', 'float16', 'fp16', 'half', 'bfloat16', 'bf16', torch.float32"
-    with pytest.raises(ValueError, match=rf"^dtype must be None or one of {allowed}.*got {re.escape(repr(dtype))}$"):
+    with refused("dtype", rf"^dtype must be None or one of {allowed}.*got {re.escape(repr(dtype))}$"):
         resolve_dtype(dtype, "cpu")
 
 
@@ -430,9 +442,9 @@ def test_cli_ctrl_c_mid_generation_exits_130_in_one_line():
 
 
 def test_eviction_granularity_is_checked_with_or_without_a_press():
-    with pytest.raises(ValueError, match="kv_eviction_granularity must be 'block' or 'token', got 'pixel'"):
+    with refused("kv_eviction_granularity", "kv_eviction_granularity must be 'block' or 'token', got 'pixel'"):
         EngineConfig(kv_eviction_granularity="pixel")
-    with pytest.raises(ValueError, match="kv_eviction_granularity"):
+    with refused("kv_eviction_granularity", "kv_eviction_granularity"):
         EngineConfig(kv_eviction="sink-window", kv_budget=64, kv_eviction_granularity="pixel")
 
 

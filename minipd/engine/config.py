@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from minipd.errors import ParameterError
 from minipd.sampling_params import is_integer, is_real
 
 
@@ -129,138 +130,165 @@ class EngineConfig:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ParameterError(name, f"{name} must be a positive integer, got {value!r}")
             setattr(self, name, int(value))
         if self.num_kv_blocks is not None:
             if not is_integer(self.num_kv_blocks) or self.num_kv_blocks < 1:
-                raise ValueError(f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
+                raise ParameterError("num_kv_blocks",
+                                     f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
             self.num_kv_blocks = int(self.num_kv_blocks)
         if self.kv_cache_memory is not None:
             memory = self.kv_cache_memory
             # 4e9 is how people write byte counts; accept floats that are whole numbers, nothing fractional.
             whole = is_integer(memory) or (is_real(memory) and float(memory).is_integer())
             if not whole or memory < 1:
-                raise ValueError(f"kv_cache_memory must be None or a positive whole number of bytes, got {memory!r}")
+                raise ParameterError("kv_cache_memory",
+                                     f"kv_cache_memory must be None or a positive whole number of bytes, "
+                                     f"got {memory!r}")
             self.kv_cache_memory = int(memory)
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+            raise ParameterError("enable_prefix_caching",
+                                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_policy()
         self._check_backend()
         self._check_moe()
         from minipd.kv.spec import KV_CACHE_DTYPES as kv_dtypes
 
         if self.kv_cache_dtype not in (*kv_dtypes, "adaptive"):
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)} or "
-                             f"'adaptive', got {self.kv_cache_dtype!r}")
+            raise ParameterError("kv_cache_dtype",
+                                 f"kv_cache_dtype must be one of {', '.join(repr(d) for d in kv_dtypes)} or "
+                                 f"'adaptive', got {self.kv_cache_dtype!r}")
         self._check_eviction()
         self._check_adaptive()
         self._check_compile()
         if not is_integer(self.stats_history) or self.stats_history < 1:
-            raise ValueError(f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
+            raise ParameterError("stats_history",
+                                 f"stats_history must be a positive integer (steps kept), got {self.stats_history!r}")
         if self.snapshot_interval is not None:
             if not is_integer(self.snapshot_interval) or self.snapshot_interval < 1:
-                raise ValueError(f"snapshot_interval must be None or a positive number of steps, "
-                                 f"got {self.snapshot_interval!r}")
+                raise ParameterError("snapshot_interval",
+                                     f"snapshot_interval must be None or a positive number of steps, "
+                                     f"got {self.snapshot_interval!r}")
             if not isinstance(self.snapshot_path, (str, os.PathLike)) or not str(self.snapshot_path):
-                raise ValueError("snapshot_interval needs snapshot_path, the folder to write snapshots to, "
-                                 f"got {self.snapshot_path!r}")
+                raise ParameterError("snapshot_interval",
+                                     "snapshot_interval needs snapshot_path, the folder to write snapshots to, "
+                                     f"got {self.snapshot_path!r}")
 
     def _check_eviction(self) -> None:
         from minipd.kv.press import make_press
 
         # Checked whether or not a press is set: a typo here would otherwise wait for the day one is.
         if self.kv_eviction_granularity not in ("block", "token"):
-            raise ValueError("kv_eviction_granularity must be 'block' or 'token', "
-                             f"got {self.kv_eviction_granularity!r}")
+            raise ParameterError("kv_eviction_granularity", "kv_eviction_granularity must be 'block' or 'token', "
+                                                            f"got {self.kv_eviction_granularity!r}")
         if self.kv_eviction is None:
             if self.kv_budget is not None:
-                raise ValueError("kv_budget needs kv_eviction (which press drops the blocks), got kv_eviction=None")
+                raise ParameterError("kv_budget",
+                                     "kv_budget needs kv_eviction (which press drops the blocks), got kv_eviction=None")
             return
         make_press(self.kv_eviction)  # names the choices when it is not one
         if self.kv_eviction_granularity == "token" and self.kv_cache_dtype == "int4":
-            raise ValueError("kv_eviction_granularity='token' moves single tokens between blocks, which KIVI's "
-                             "int4 cannot (a block's keys share per-channel scales); use 'block' or another format")
+            raise ParameterError("kv_eviction_granularity",
+                                 "kv_eviction_granularity='token' moves single tokens between blocks, which KIVI's "
+                                 "int4 cannot (a block's keys share per-channel scales); use 'block' or another format")
         if not is_integer(self.kv_budget) or self.kv_budget < 2 * self.block_size:
-            raise ValueError(f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
-                             f"with kv_eviction, got {self.kv_budget!r}")
+            raise ParameterError("kv_budget",
+                                 f"kv_budget must be an integer of at least two blocks ({2 * self.block_size} tokens) "
+                                 f"with kv_eviction, got {self.kv_budget!r}")
         self.kv_budget = int(self.kv_budget)
 
     def _check_moe(self) -> None:
         from minipd.moe.experts import IMPLEMENTATIONS
 
         if self.moe_backend not in IMPLEMENTATIONS:
-            raise ValueError(f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
-                             f"got {self.moe_backend!r}")
+            raise ParameterError("moe_backend", f"moe_backend must be one of {', '.join(map(repr, IMPLEMENTATIONS))}, "
+                                                f"got {self.moe_backend!r}")
         factor = self.moe_capacity_factor
         if factor is not None and (not is_real(factor) or not factor > 0):
-            raise ValueError(f"moe_capacity_factor must be None or a positive number, got {factor!r}")
+            raise ParameterError("moe_capacity_factor",
+                                 f"moe_capacity_factor must be None or a positive number, got {factor!r}")
         choices = {"moe_overflow": ("drop", "reroute"), "router_dtype": ("auto", "int8", "int4"),
                    "moe_dispatch_dtype": ("auto", "int8", "fp8")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+                raise ParameterError(name,
+                                     f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                                     f"got {getattr(self, name)!r}")
         if not isinstance(self.record_routing, bool):
-            raise ValueError(f"record_routing must be True or False, got {self.record_routing!r}")
+            raise ParameterError("record_routing", f"record_routing must be True or False, got {self.record_routing!r}")
         self._check_expert_parallel()
 
     def _check_expert_parallel(self) -> None:
         size = self.expert_parallel_size
         if not is_integer(size) or size < 1:
-            raise ValueError(f"expert_parallel_size must be a positive integer, got {size!r}")
+            raise ParameterError("expert_parallel_size",
+                                 f"expert_parallel_size must be a positive integer, got {size!r}")
         self.expert_parallel_size = int(size)
         timeout = self.expert_parallel_timeout
         if not is_real(timeout) or not timeout > 0:
-            raise ValueError(f"expert_parallel_timeout must be a positive number of seconds, got {timeout!r}")
+            raise ParameterError("expert_parallel_timeout",
+                                 f"expert_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(self.expert_parallel_overlap, bool):
-            raise ValueError(f"expert_parallel_overlap must be True or False, got {self.expert_parallel_overlap!r}")
+            raise ParameterError("expert_parallel_overlap",
+                                 f"expert_parallel_overlap must be True or False, got {self.expert_parallel_overlap!r}")
         if size > 1 and self.moe_capacity_factor is not None:
-            raise ValueError("moe_capacity_factor needs all experts in one process: use it with expert_parallel_size=1")
+            raise ParameterError("moe_capacity_factor",
+                                 "moe_capacity_factor needs all experts in one process: "
+                                 "use it with expert_parallel_size=1")
         if size > 1 and self.moe_backend == "triton":
-            raise ValueError("moe_backend='triton' fuses the token permutation with local experts; with "
-                             "expert_parallel_size > 1 use 'loop', 'grouped_mm' or 'auto'")
+            raise ParameterError("moe_backend",
+                                 "moe_backend='triton' fuses the token permutation with local experts; with "
+                                 "expert_parallel_size > 1 use 'loop', 'grouped_mm' or 'auto'")
 
     def _check_compile(self) -> None:
         for name in ("compile_decode", "compile_warmup"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ParameterError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         sizes = self.compile_batch_sizes
         if sizes is not None:
             if (not isinstance(sizes, (tuple, list)) or not sizes
                     or not all(is_integer(n) and 0 < n <= self.max_num_seqs for n in sizes)):
-                raise ValueError(f"compile_batch_sizes must be None or a non-empty list of batch sizes between 1 "
-                                 f"and max_num_seqs ({self.max_num_seqs}), got {sizes!r}")
+                raise ParameterError("compile_batch_sizes",
+                                     f"compile_batch_sizes must be None or a non-empty list of batch sizes between 1 "
+                                     f"and max_num_seqs ({self.max_num_seqs}), got {sizes!r}")
             self.compile_batch_sizes = tuple(sorted({int(n) for n in sizes}))
         if self.compile_warmup and not self.compile_decode:
-            raise ValueError("compile_warmup compiles the decode buckets of compile_decode: pass compile_decode=True")
+            raise ParameterError("compile_warmup",
+                                 "compile_warmup compiles the decode buckets of compile_decode: "
+                                 "pass compile_decode=True")
         from minipd.kv.spec import KV_DTYPES
 
         if self.compile_decode and self.expert_parallel_size > 1:
             # Refused here, before any rank process starts: the compiled step has no expert-parallel layers.
-            raise ValueError("compile_decode covers models whose experts are all in this process; with "
-                             "expert_parallel_size > 1 pass compile_decode=False")
+            raise ParameterError("compile_decode",
+                                 "compile_decode covers models whose experts are all in this process; with "
+                                 "expert_parallel_size > 1 pass compile_decode=False")
         if self.compile_decode and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
-            raise ValueError("compile_decode reads an unquantized cache; kv_cache_dtype "
-                             f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")
+            raise ParameterError("compile_decode", "compile_decode reads an unquantized cache; kv_cache_dtype "
+                                                   f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")
 
     def _check_adaptive(self) -> None:
         from minipd.kv.quant import PER_TOKEN_FORMATS as formats
 
         if self.kv_adaptive_format not in formats:
-            raise ValueError(f"kv_adaptive_format must be one of {', '.join(map(repr, formats))}, "
-                             f"got {self.kv_adaptive_format!r}")
+            raise ParameterError("kv_adaptive_format",
+                                 f"kv_adaptive_format must be one of {', '.join(map(repr, formats))}, "
+                                 f"got {self.kv_adaptive_format!r}")
         thresholds = self.kv_adaptive_thresholds
         if not (isinstance(thresholds, (tuple, list)) and len(thresholds) == 2 and all(map(is_real, thresholds))
                 and 0 <= thresholds[0] <= thresholds[1] <= 1):
-            raise ValueError(f"kv_adaptive_thresholds must be (low, high) with 0 <= low <= high <= 1, "
-                             f"got {thresholds!r}")
+            raise ParameterError("kv_adaptive_thresholds",
+                                 f"kv_adaptive_thresholds must be (low, high) with 0 <= low <= high <= 1, "
+                                 f"got {thresholds!r}")
         self.kv_adaptive_thresholds = (float(thresholds[0]), float(thresholds[1]))
         if self.kv_cache_dtype != "adaptive":
             return
         if self.enable_prefix_caching:
-            raise ValueError("kv_cache_dtype='adaptive' does not share prefix blocks between formats yet: "
-                             "pass enable_prefix_caching=False with it")
+            raise ParameterError("kv_cache_dtype",
+                                 "kv_cache_dtype='adaptive' does not share prefix blocks between formats yet: "
+                                 "pass enable_prefix_caching=False with it")
         if self.kv_eviction is not None:
-            raise ValueError("kv_cache_dtype='adaptive' does not combine with kv_eviction")
+            raise ParameterError("kv_cache_dtype", "kv_cache_dtype='adaptive' does not combine with kv_eviction")
 
     def _check_policy(self) -> None:
         # Imported here: the scheduler pulls in the KV block manager, which the config has no other need for.
@@ -270,22 +298,27 @@ class EngineConfig:
         if isinstance(policy, SchedulingPolicy) or (isinstance(policy, str) and policy in POLICIES):
             return
         hint = " (pass an instance, not the class)" if isinstance(policy, type) else ""
-        raise ValueError(f"scheduling_policy must be one of {', '.join(repr(p) for p in POLICIES)} "
-                         f"or a SchedulingPolicy instance{hint}, got {policy!r}")
+        raise ParameterError("scheduling_policy",
+                             f"scheduling_policy must be one of {', '.join(repr(p) for p in POLICIES)} "
+                             f"or a SchedulingPolicy instance{hint}, got {policy!r}")
 
     def _check_backend(self) -> None:
         from minipd.kernels.backend import BACKENDS
 
         # Whether the backend can run on the chosen device is checked later, once the device is known.
         if self.cpu_threads != "auto" and (not is_integer(self.cpu_threads) or self.cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be 'auto' or a positive integer, got {self.cpu_threads!r}")
+            raise ParameterError("cpu_threads",
+                                 f"cpu_threads must be 'auto' or a positive integer, got {self.cpu_threads!r}")
         if self.weight_dtype not in ("auto", "int8"):
-            raise ValueError(f"weight_dtype must be 'auto' or 'int8', got {self.weight_dtype!r}")
+            raise ParameterError("weight_dtype", f"weight_dtype must be 'auto' or 'int8', got {self.weight_dtype!r}")
         if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be one of 'auto', 'torch', 'onednn', got {self.linear_backend!r}")
+            raise ParameterError("linear_backend",
+                                 f"linear_backend must be one of 'auto', 'torch', 'onednn', "
+                                 f"got {self.linear_backend!r}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
-            raise ValueError(f"kernel_backend must be None or one of {', '.join(repr(b) for b in BACKENDS)}, "
-                             f"got {self.kernel_backend!r}")
+            raise ParameterError("kernel_backend",
+                                 f"kernel_backend must be None or one of {', '.join(repr(b) for b in BACKENDS)}, "
+                                 f"got {self.kernel_backend!r}")
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:
@@ -293,5 +326,6 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ParameterError(unknown[0], f"unknown engine option(s) {', '.join(unknown)}; "
+                                             f"known: {', '.join(sorted(known))}")
         return cls(**options)

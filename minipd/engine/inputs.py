@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from minipd.errors import ParameterError
 from minipd.sampling_params import SamplingParams, check_seed, is_integer
 
 if TYPE_CHECKING:
@@ -27,10 +28,10 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
-                         f"got {_kind(prompts)}")
+        raise ParameterError("prompts", "prompts must be a string, a list of token ids, or a list of those; "
+                                        f"got {_kind(prompts)}")
     if len(prompts) == 0:
-        raise ValueError("prompts must not be empty: pass at least one prompt")
+        raise ParameterError("prompts", "prompts must not be empty: pass at least one prompt")
     if all(isinstance(p, numbers.Integral) for p in prompts):
         return [_token_ids(0, prompts)]  # a single prompt given as token ids
     out: list[PromptInput] = []
@@ -38,7 +39,8 @@ def normalize_prompts(prompts: PromptInput | Sequence[PromptInput]) -> list[Prom
         if isinstance(p, str):
             out.append(p)
         elif isinstance(p, (bytes, bytearray)) or not isinstance(p, Sequence):
-            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {_kind(p)}")
+            raise ParameterError(f"prompts[{i}]",
+                                 f"prompts[{i}] must be a string or a list of token ids, got {_kind(p)}")
         else:
             out.append(_token_ids(i, p))
     return out
@@ -48,7 +50,9 @@ def _token_ids(index: int, ids: Sequence) -> list[int]:
     """``ids`` as plain ints; a bool or non-integer is a ``ValueError`` naming ``prompts[index]``."""
     bad = next((t for t in ids if not is_integer(t)), None)
     if bad is not None:
-        raise ValueError(f"prompts[{index}] has token id {bad!r} ({type(bad).__name__}); token ids must be integers")
+        raise ParameterError(f"prompts[{index}]",
+                             f"prompts[{index}] has token id {bad!r} ({type(bad).__name__}); "
+                             "token ids must be integers")
     return [int(t) for t in ids]
 
 
@@ -66,28 +70,33 @@ def normalize_params(params: SamplingParams | Sequence[SamplingParams] | None, c
     if isinstance(params, SamplingParams):
         return [params] * count
     if not isinstance(params, Sequence) or isinstance(params, str):
-        raise ValueError("sampling_params must be None, a SamplingParams, or a list of them (one per prompt); "
-                         f"got {type(params).__name__}")
+        raise ParameterError("sampling_params",
+                             "sampling_params must be None, a SamplingParams, or a list of them (one per prompt); "
+                             f"got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
-        raise ValueError(f"sampling_params has {len(params)} entries but there are {count} prompts; "
-                         "pass one SamplingParams or one per prompt")
+        raise ParameterError("sampling_params",
+                             f"sampling_params has {len(params)} entries but there are {count} prompts; "
+                             "pass one SamplingParams or one per prompt")
     for i, p in enumerate(params):
         if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            raise ParameterError(f"sampling_params[{i}]",
+                                 f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
     return params
 
 
 def check_prompt_ids(index: int, token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> None:
     """A prompt must be non-empty, use only ids in the vocabulary, and leave room for one new token."""
     if len(token_ids) == 0:
-        raise ValueError(f"prompts[{index}] is empty: a prompt needs at least one token")
+        raise ParameterError(f"prompts[{index}]", f"prompts[{index}] is empty: a prompt needs at least one token")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompts[{index}] has token id {bad}, outside the vocabulary [0, {vocab_size})")
+        raise ParameterError(f"prompts[{index}]",
+                             f"prompts[{index}] has token id {bad}, outside the vocabulary [0, {vocab_size})")
     if len(token_ids) >= max_model_len:
-        raise ValueError(f"prompts[{index}] has {len(token_ids)} tokens; the model's context is "
-                         f"{max_model_len}, so prompts may have at most {max_model_len - 1}")
+        raise ParameterError(f"prompts[{index}]",
+                             f"prompts[{index}] has {len(token_ids)} tokens; the model's context is "
+                             f"{max_model_len}, so prompts may have at most {max_model_len - 1}")
 
 
 def check_llm_args(max_model_len: object, seed: object) -> tuple[int | None, int | None]:
@@ -99,7 +108,8 @@ def check_llm_args(max_model_len: object, seed: object) -> tuple[int | None, int
     """
     if max_model_len is not None:
         if not is_integer(max_model_len) or max_model_len < 2:
-            raise ValueError(f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
+            raise ParameterError("max_model_len",
+                                 f"max_model_len must be None or an integer >= 2, got {max_model_len!r}")
         max_model_len = int(max_model_len)
     return max_model_len, check_seed("seed", seed)
 
@@ -109,7 +119,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: PromptInput, index: int, vocab_s
     """``prompt`` as checked token ids, and its text when it was given as text; ``index`` names it in errors."""
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError(f"prompts[{index}] is an empty string: a prompt needs at least one token")
+            raise ParameterError(f"prompts[{index}]",
+                                 f"prompts[{index}] is an empty string: a prompt needs at least one token")
         ids, text = tokenizer.encode(prompt), prompt
     else:
         ids, text = list(prompt), None

@@ -26,6 +26,7 @@ from typing import NamedTuple, Protocol
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepStats
+from minipd.errors import ParameterError
 
 logger = logging.getLogger("minipd")
 
@@ -50,13 +51,14 @@ class Executor(Protocol):
 
 def check_fits_pool(num_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
                     what: str = "the request", pool: str = "the pool has") -> None:
-    """Refuse a request that could never fit a pool of ``num_blocks``, however long it waited."""
+    """Refuse a request that could never fit a pool of ``num_blocks``, however long it waited (a
+    :class:`~minipd.errors.ParameterError` whose ``param`` is ``what``)."""
     longest = min(max_model_len, num_tokens + max_tokens)
     # The last sampled token is never fed back, so its K/V never need a slot.
     blocks = -(-(longest - 1) // block_size)
     if blocks > num_blocks:
-        raise ValueError(f"{what} may grow to {longest} tokens ({blocks} KV blocks) but {pool} "
-                         f"{num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
+        raise ParameterError(what, f"{what} may grow to {longest} tokens ({blocks} KV blocks) but {pool} "
+                                   f"{num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
 
 
 class StepCore:

@@ -170,42 +170,49 @@ class DisaggregatedLLM:
                                    ("num_decode_workers", num_decode_workers, 0),
                                    ("threads_per_worker", 1 if threads_per_worker is None else threads_per_worker, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}"
-                                 f"{' (or None)' if name == 'threads_per_worker' else ''}, got {value!r}")
+                raise ParameterError(name, f"{name} must be an integer >= {least}"
+                                           f"{' (or None)' if name == 'threads_per_worker' else ''}, got {value!r}")
         for name, value, least in (("kv_lease_s", kv_lease_s, 0), ("start_timeout", start_timeout, 0),
                                    ("heartbeat_timeout", heartbeat_timeout, 1)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > least:
-                raise ValueError(f"{name} must be a number of seconds > {least}, got {value!r}")
+                raise ParameterError(name, f"{name} must be a number of seconds > {least}, got {value!r}")
         seed = check_seed("seed", seed)
         self._lease_s = float(kv_lease_s)
         self._heartbeat_timeout = float(heartbeat_timeout)
         if kv_transport is None:
             kv_transport = "nixl" if nixl_available() is None else "torch"
         if kv_transport not in TRANSPORTS:
-            raise ValueError(f"kv_transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {kv_transport!r}")
+            raise ParameterError("kv_transport",
+                                 f"kv_transport must be one of {', '.join(map(repr, TRANSPORTS))}, "
+                                 f"got {kv_transport!r}")
         if kv_transport == "nixl" and nixl_available() is not None:
-            raise ValueError(f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
+            raise ParameterError("kv_transport",
+                                 f"kv_transport='nixl' is not available here: {nixl_available()}; use 'torch'")
         self.kv_transport = kv_transport
         self.kv_transfer = kv_transfer
         if kv_transfer_dtype is not None:
             if kv_transfer_dtype not in PER_TOKEN_FORMATS:
-                raise ValueError(f"kv_transfer_dtype must be None or one of {', '.join(map(repr, PER_TOKEN_FORMATS))}, "
-                                 f"got {kv_transfer_dtype!r}")
+                raise ParameterError("kv_transfer_dtype",
+                                     "kv_transfer_dtype must be None or one of "
+                                     f"{', '.join(map(repr, PER_TOKEN_FORMATS))}, got {kv_transfer_dtype!r}")
             if kv_transport != "torch":
-                raise ValueError("kv_transfer_dtype needs kv_transport='torch': NIXL moves pool memory as it lies, "
-                                 "so a compressed wire needs a quantized pool (kv_cache_dtype) there")
+                raise ParameterError("kv_transfer_dtype",
+                                     "kv_transfer_dtype needs kv_transport='torch': NIXL moves pool memory as it lies, "
+                                     "so a compressed wire needs a quantized pool (kv_cache_dtype) there")
             from minipd.kv.spec import KV_DTYPES
 
             pool_dtype = llm_options.get("kv_cache_dtype", "auto")
             if pool_dtype != "auto" and pool_dtype not in KV_DTYPES:
-                raise ValueError(f"kv_transfer_dtype compresses a float pool on the wire; with kv_cache_dtype="
-                                 f"{pool_dtype!r} the blocks travel compressed already")
+                raise ParameterError("kv_transfer_dtype",
+                                     f"kv_transfer_dtype compresses a float pool on the wire; with kv_cache_dtype="
+                                     f"{pool_dtype!r} the blocks travel compressed already")
         self.kv_transfer_dtype = kv_transfer_dtype
         EngineConfig.from_options({k: v for k, v in llm_options.items()
                                    if k not in ("device", "dtype", "max_model_len", "seed")})
         if llm_options.get("kv_cache_dtype") == "adaptive":
-            raise ValueError("kv_cache_dtype='adaptive' mixes formats within one pool, which KV transfer does not "
-                             "handle yet; pick one format for disaggregated serving")
+            raise ParameterError("kv_cache_dtype",
+                                 "kv_cache_dtype='adaptive' mixes formats within one pool, which KV transfer does not "
+                                 "handle yet; pick one format for disaggregated serving")
         folder = resolve_model(model)
         self.model_name = folder.name
         self.config = ModelConfig.from_pretrained(folder)
@@ -250,7 +257,8 @@ class DisaggregatedLLM:
     @kv_transfer.setter
     def kv_transfer(self, mode: str) -> None:
         if mode not in KV_TRANSFERS:
-            raise ValueError(f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {mode!r}")
+            raise ParameterError("kv_transfer",
+                                 f"kv_transfer must be one of {', '.join(map(repr, KV_TRANSFERS))}, got {mode!r}")
         self._kv_transfer = mode
 
     # ------------------------------------------------------------------------------- processes
@@ -467,7 +475,7 @@ class DisaggregatedLLM:
                     request_id: str | None = None) -> RequestState:
         prompts = normalize_prompts(prompt)
         if len(prompts) != 1:
-            raise ValueError(f"{what} takes one prompt, got {len(prompts)}; use generate for several")
+            raise ParameterError(what, f"{what} takes one prompt, got {len(prompts)}; use generate for several")
         (params,) = normalize_params(sampling_params, 1)
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ParameterError("request_id", f"request_id must be a non-empty string, got {request_id!r}")
@@ -901,12 +909,13 @@ class DisaggregatedLLM:
         (a prefill worker's reports of finished pushes reach the front end 0.3 s late, after the
         decode worker may have finished the request)."""
         if fault not in ("lose_reads", "slow_writes", "late_reports"):
-            raise ValueError(f"fault must be 'lose_reads', 'slow_writes' or 'late_reports', got {fault!r}")
+            raise ParameterError("fault", f"fault must be 'lose_reads', 'slow_writes' or 'late_reports', got {fault!r}")
         if fault == "slow_writes" and self.kv_transport != "torch":
-            raise ValueError("fault 'slow_writes' needs kv_transport='torch' (NIXL writes land without the "
-                             "receiving worker's help)")
+            raise ParameterError("fault",
+                                 "fault 'slow_writes' needs kv_transport='torch' (NIXL writes land without the "
+                                 "receiving worker's help)")
         if worker not in self._workers:
-            raise ValueError(f"worker must be one of {', '.join(self._workers)}, got {worker!r}")
+            raise ParameterError("worker", f"worker must be one of {', '.join(self._workers)}, got {worker!r}")
         self._send(self._workers[worker], ("fault", fault))
 
     def worker_stats(self, timeout: float = 10.0) -> dict[str, dict]:
