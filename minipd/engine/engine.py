@@ -1,17 +1,15 @@
 """The in-process engine: an :class:`~minipd.engine.core.EngineCore` with its front end beside it.
 
 ``add_request`` / ``step`` / ``abort`` is the engine-level API that streaming, the chapters and
-:class:`~minipd.llm.LLM` build on. Prompts are checked and tokenised here, request ids handed out,
-and the core's token-id outputs turned into text deltas by the
-:class:`~minipd.engine.output_processor.OutputProcessor`. The same core can instead run behind
-queues in a thread or another process (:mod:`minipd.engine.core_client`).
+:class:`~minipd.llm.LLM` build on; it is the shared :class:`~minipd.engine.front_end.FrontEnd`
+(prompts checked and tokenised, request ids handed out, the core's token-id outputs turned into
+text deltas), here over an :class:`EngineCore` in this process. The same core can instead run
+behind queues in a thread or another process (:mod:`minipd.engine.core_client`).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import time
 from collections import deque
 from pathlib import Path
 
@@ -19,35 +17,33 @@ import torch
 
 from minipd.engine.config import EngineConfig
 from minipd.engine.core import CPU_KV_MEMORY, EngineCore
-from minipd.engine.inputs import PromptInput, encode_prompt
-from minipd.engine.output_processor import OutputProcessingError, OutputProcessor, RequestState
-from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
+from minipd.engine.front_end import FrontEnd
 from minipd.engine.scheduler import Scheduler
 from minipd.engine.stats import StepStats
 from minipd.kv.block_manager import BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.models.decoder import DecoderModel
 from minipd.outputs import StreamDelta
-from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
 __all__ = ["CPU_KV_MEMORY", "Engine"]
 
 
-class Engine:
-    """A continuous-batching engine over a paged KV cache for one model, with text in and out."""
+class Engine(FrontEnd):
+    """A continuous-batching engine over a paged KV cache for one model, with text in and out.
+
+    The front end (:class:`~minipd.engine.front_end.FrontEnd`) over an :class:`EngineCore` built for
+    ``model``; adds the core's parts for the chapters, K/V export and snapshots.
+    """
+
+    core: EngineCore
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
                  eos_token_ids: frozenset[int], seed: int | None = None) -> None:
-        self.core = EngineCore(model, config, max_model_len)
-        self.processor = OutputProcessor(tokenizer)
-        self.model = self.core.model  # the engine's own view of ``model`` (see EngineCore)
-        self.tokenizer = tokenizer
+        core = EngineCore(model, config, max_model_len)
+        super().__init__(core, tokenizer, max_model_len, eos_token_ids, core.model.config.vocab_size, seed)
+        self.model = core.model  # the engine's own view of ``model`` (see EngineCore)
         self.config = config
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self._seeds = random.Random(seed if seed is not None else time.time_ns())
-        self._next_id = 0
         if config.snapshot_interval and config.snapshot_path is not None:
             from minipd.engine.snapshot import SnapshotError, is_snapshot
 
@@ -93,73 +89,6 @@ class Engine:
         """How many tokens of K/V the pool holds."""
         return self.core.kv_capacity_tokens
 
-    # ----------------------------------------------------------------------------------- requests
-    def new_request_id(self) -> str:
-        """An id no live request has: automatic ids skip ids that callers chose."""
-        while True:
-            request_id = str(self._next_id)
-            self._next_id += 1
-            if request_id not in self.processor.states and request_id not in self.core.requests:
-                return request_id
-
-    def make_request(self, prompt: PromptInput, params: SamplingParams, index: int = 0,
-                     request_id: str | None = None, arrival_time: float | None = None, *,
-                     hold_kv: bool = False, num_external_tokens: int = 0) -> RequestState:
-        """Check and encode one prompt into a request without queueing it; ``index`` names it in errors.
-
-        ``hold_kv`` keeps the request's blocks after it finishes (for :meth:`export_kv`) until
-        :meth:`release_kv`; ``num_external_tokens`` says its first tokens' K/V will be given, not computed.
-        """
-        ids, text = encode_prompt(self.tokenizer, prompt, index, self.core.model.config.vocab_size,
-                                  self.max_model_len)
-        self.core.check_fits(len(ids), params.max_tokens, what=f"prompts[{index}]")
-        if request_id is None:
-            request_id = self.new_request_id()
-        elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        elif request_id in self.processor.states or request_id in self.core.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a running request")
-        arrival = arrival_time if arrival_time is not None else time.perf_counter()
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        state = self.processor.new_state(request_id, text, ids, params, arrival)
-        state.request = Request(request_id=request_id, all_token_ids=list(ids), num_prompt_tokens=len(ids),
-                                params=params, seed=seed, eos_token_ids=self.eos_token_ids,
-                                max_model_len=self.max_model_len, arrival_time=arrival,
-                                num_external_tokens=num_external_tokens, hold_kv=hold_kv)
-        return state
-
-    def add(self, state: RequestState, kv: PackedKV | None = None) -> str:
-        """Queue a request made by :meth:`make_request` (with its first tokens' K/V, if given); returns its id."""
-        if state.request is None:
-            raise ValueError("this request state was not made by make_request")
-        if state.request_id in self.processor.states:
-            raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
-        self.core.add_request(state.request, kv)
-        self.processor.add(state)
-        return state.request_id
-
-    def add_request(self, prompt: PromptInput, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Check, encode and queue one prompt; returns the request id to follow it by."""
-        return self.add(self.make_request(prompt, params or SamplingParams(), request_id=request_id))
-
-    def watch(self, request_id: str) -> deque[StreamDelta]:
-        """Keep every future delta of ``request_id`` in a queue, so several streams can share the engine."""
-        return self.processor.watch(request_id)
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks; its stream ends with an ``"abort"`` delta.
-
-        A finished ``hold_kv`` request's blocks are released. Returns False if there was nothing to stop or free.
-        """
-        live = request_id in self.processor.states or request_id in self.core.requests
-        self._deliver(EngineCoreOutputs(self.core.abort_requests([request_id]), time.perf_counter()))
-        return live
-
-    def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running (or has an output still to apply)."""
-        return self.core.has_unfinished_requests() or self.processor.has_pending()
-
     # --------------------------------------------------------------------------------- KV moves
     def export_kv(self, request_id: str, num_tokens: int | None = None) -> PackedKV:
         """The K/V of a request (running, or finished with ``hold_kv``), packed per layer."""
@@ -189,29 +118,12 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Run one scheduling step; return a delta for every request that got a token or finished.
 
-        A failure is raised only once nothing of the step is lost (see :meth:`EngineCore.step` and
-        :meth:`OutputProcessor.process`): its tokens are delivered to their requests (and streams)
-        first, so calling ``step`` again goes on as if it had not failed. The deltas of a step that raises
-        are not returned: they are in the requests' states and :meth:`watch` queues (and in
-        ``OutputProcessingError.deltas``).
+        As :meth:`FrontEnd.step <minipd.engine.front_end.FrontEnd.step>` (a failure is raised only once the
+        step's tokens are delivered); then, every ``snapshot_interval`` steps, a snapshot is saved.
         """
         before = self.core.num_steps
-        deltas = self._deliver(self.core.step())
-        failure = self.core.take_failure()
-        if failure is not None:
-            raise failure
+        deltas = super().step()
         interval = self.config.snapshot_interval
         if interval and self.core.num_steps != before and self.core.num_steps % interval == 0:
             self.save_snapshot(self.config.snapshot_path)  # type: ignore[arg-type]
-        return deltas
-
-    def _deliver(self, outputs: EngineCoreOutputs) -> list[StreamDelta]:
-        try:
-            deltas, to_abort = self.processor.process(outputs)
-        except OutputProcessingError as err:  # the others were delivered; these end in the core too
-            self.core.abort_requests(err.to_abort, FinishReason.STOP)
-            self.core.abort_requests(err.failed, FinishReason.ABORT)
-            raise
-        if to_abort:  # a stop string ended these in the front end: the core must end them too
-            self.core.abort_requests(to_abort, FinishReason.STOP)
         return deltas
