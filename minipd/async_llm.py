@@ -40,26 +40,31 @@ class EngineStoppedError(RuntimeError):
     """The engine behind an :class:`AsyncLLM` stopped (shut down, or its steps kept failing)."""
 
 
-class _LocalEngine:
-    """A colocated :class:`~minipd.llm.LLM`'s engine, stepped under the LLM's own lock (so its synchronous
-    API stays usable beside this one)."""
+class _Engine:
+    """The engine of an ``LLM`` or a ``DisaggregatedLLM`` (one front end over its core), stepped under the
+    object's own lock, so its synchronous API stays usable beside this one."""
 
     def __init__(self, llm: Any) -> None:
-        self.llm, self.engine = llm, llm.engine
+        self.llm, self.engine, self.lock = llm, llm.engine, llm._lock
         self.tokenizer = llm.tokenizer
+        core = self.engine.core
+        if hasattr(core, "step_timeout"):
+            # A cluster's step waits for its workers' messages: briefly, so that requests and aborts
+            # queued meanwhile get in at once.
+            core.step_timeout = min(core.step_timeout, 0.005)
 
     def submit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None) -> tuple[str, deque]:
-        with self.llm._lock:
+        with self.lock:
             state = self.engine.make_request(prompt, params, request_id=request_id)
             self.engine.add(state)
             return state.request_id, self.engine.watch(state.request_id)
 
     def step(self) -> None:
-        with self.llm._lock:
+        with self.lock:
             self.engine.step()
 
     def abort(self, request_id: str) -> None:
-        with self.llm._lock:
+        with self.lock:
             self.engine.abort(request_id)
 
     def busy(self) -> bool:
@@ -67,29 +72,6 @@ class _LocalEngine:
 
     def close(self) -> None:
         self.llm.close()
-
-
-class _DisaggregatedEngine:
-    """A :class:`~minipd.pd.llm.DisaggregatedLLM`: the front end routes, the workers compute."""
-
-    def __init__(self, pd: Any) -> None:
-        self.pd, self.tokenizer = pd, pd.tokenizer
-
-    def submit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None) -> tuple[str, deque]:
-        state = self.pd._submit_one(prompt, params, "generate", request_id=request_id)
-        return state.request_id, self.pd.processor.watch(state.request_id)
-
-    def step(self) -> None:
-        self.pd.step(timeout=0.005)
-
-    def abort(self, request_id: str) -> None:
-        self.pd.abort(request_id)
-
-    def busy(self) -> bool:
-        return self.pd.has_unfinished_requests()
-
-    def close(self) -> None:
-        self.pd.shutdown()
 
 
 class _Stream:
@@ -125,11 +107,8 @@ class AsyncLLM:
         return self
 
     def _start(self, llm: Any, owned: bool) -> None:
-        from minipd.llm import LLM
-
         self.llm = llm
-        self._engine: _LocalEngine | _DisaggregatedEngine = (_LocalEngine(llm) if isinstance(llm, LLM)
-                                                            else _DisaggregatedEngine(llm))
+        self._engine = _Engine(llm)
         self._owned = owned
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

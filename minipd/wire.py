@@ -49,14 +49,22 @@ ALLOWED: dict[str, tuple[str, str]] = {
         ("minipd.engine.request", "FinishReason"),
         ("minipd.engine.request", "EngineCoreOutput"),
         ("minipd.engine.request", "EngineCoreOutputs"),
+        ("minipd.engine.stats", "StepStats"),
         ("minipd.kv.block_manager", "BlockAllocation"),
         ("minipd.kv.paged_pool", "PackedKV"),
         ("minipd.kv.spec", "KVSpec"),
         ("minipd.pd.transport", "PoolLayout"),
-        ("minipd.engine.core_client", "CoreError"),
-        ("minipd.engine.core_client", "ExportedKV"),
     ]
 }
+# The client/core-loop protocol (minipd.engine.core_messages), each name spelled out.
+ALLOWED.update({f"minipd.engine.core_messages.{name}": ("minipd.engine.core_messages", name) for name in (
+    "AddRequest", "AbortRequests", "ImportKV", "FinishKVLoad", "ExportKV", "ReleaseKV", "Shutdown", "CoreReady",
+    "CoreError", "ExportedKV")})
+# The prefill/decode protocol (minipd.pd.messages), each name spelled out.
+ALLOWED.update({f"minipd.pd.messages.{name}": ("minipd.pd.messages", name) for name in (
+    "AddRequest", "AddRemote", "AddPush", "Abort", "ReleaseKV", "Reserve", "Adopt", "ReleaseReservation", "AddPeer",
+    "InjectFault", "AskStats", "Shutdown", "Configure", "Hello", "Ready", "Outputs", "Reserved", "KVLoaded",
+    "KVFailed", "Notice", "Failure", "Heartbeat", "Stats")})
 #: Tensor dtypes a message may carry (by torch's name).
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
                  "float8_e4m3fn", "float8_e5m2")

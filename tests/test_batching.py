@@ -1,4 +1,4 @@
-"""minipd.batching: static, dynamic and continuous batching on the real engine, recorded step by step.
+"""minipd.sim.batching: static, dynamic and continuous batching on the real engine, recorded step by step.
 
 Step counts and phases are exact (they depend only on the schedule, not on timing), so the
 expected timelines are written out by hand.
@@ -10,8 +10,8 @@ import pytest
 from helpers import VOCAB, make_hf_model
 
 from minipd import LLM, SamplingParams
-from minipd.batching import PHASES, exact_params, run_batched, run_continuous, run_dynamic, run_static
 from minipd.exercises.ch04 import reference_continuous_batch_steps, reference_static_batch_steps
+from minipd.sim.batching import PHASES, exact_params, run_batched, run_continuous, run_dynamic, run_static
 
 OUTPUT_LENS = [4, 10, 8, 7, 9, 2, 9, 2]
 

@@ -55,7 +55,7 @@ def test_pd_bench_prints_interference_and_transfer_figures():
 
 
 def test_the_moe_ladder_times_every_path_that_runs_here(capsys):
-    from minipd.bench_moe import backends, main
+    from minipd.bench.moe import backends, main
 
     assert main("tiny-py-moe", scale=0.05) == 0
     out = capsys.readouterr().out
@@ -69,7 +69,7 @@ def test_the_moe_ladder_times_every_path_that_runs_here(capsys):
 
 
 def test_the_ep_bench_reports_overlap_and_the_wire_bytes(capsys):
-    from minipd.bench_ep import main
+    from minipd.bench.expert_parallel import main
 
     assert main("tiny-py-moe", scale=0.25) == 0
     out = capsys.readouterr().out
@@ -84,9 +84,9 @@ def test_the_ep_bench_reports_overlap_and_the_wire_bytes(capsys):
 
 
 def test_the_random_50m_model_has_the_size_it_says(tmp_path):
+    from minipd.bench.random_models import random_model_config
     from minipd.config import ModelConfig
-    from minipd.costs import count_parameters
-    from minipd.random_models import random_model_config
+    from minipd.sim.costs import count_parameters
 
     total = count_parameters(ModelConfig.from_dict(random_model_config("random-50m"))).total
     assert 45e6 < total < 55e6
@@ -98,7 +98,7 @@ def test_the_random_50m_model_has_the_size_it_says(tmp_path):
 
 def test_the_bench_says_why_a_model_gets_no_compiled_decode(capsys):
     from minipd import LLM
-    from minipd.bench import _compiled_or_why
+    from minipd.bench.hf import _compiled_or_why
 
     assert _compiled_or_why("minipd, compile_decode", LLM, "tiny-py-moe", compile_batch_sizes=(1,)) is None
     assert "minipd, compile_decode: not run (compile_decode covers dense attention models" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 from minipd import LLM
-from minipd.bench_adaptive import VARIANTS, format_table, measure, verdict
+from minipd.bench.adaptive import VARIANTS, format_table, measure, verdict
 from minipd.viz.adaptive import plot_adaptive_timeline, plot_formats_under_load
 
 
@@ -33,7 +33,7 @@ def test_adaptive_holds_more_than_full_precision_and_loses_less_than_int4():
 
 def test_the_timeline_shades_the_steps_that_compress_newcomers():
     from minipd import SamplingParams
-    from minipd.bench_adaptive import burst, run_staggered
+    from minipd.bench.adaptive import burst, run_staggered
 
     llm = LLM("tiny-py", kv_cache_dtype="adaptive", enable_prefix_caching=False, kv_cache_memory=1_500_000,
               kv_adaptive_thresholds=(0.3, 0.5))

@@ -112,7 +112,7 @@ def test_core_in_a_second_process_gives_the_in_process_outputs_then_dies_loudly(
     expected = in_process_reference(llm)
     client = CoreClient.in_process("tiny-py", start_timeout=120)
     try:
-        assert client.info["kv_spec"] == llm.engine.core.kv_spec.to_dict()
+        assert client.info.kv_spec == llm.engine.core.kv_spec.to_dict()
         assert client.process.pid != os.getpid()
         got = collect(client, requests_for(llm, params_list()), OutputProcessor(Tokenizer(llm.model_path)))
         assert got == expected

@@ -1,4 +1,4 @@
-"""minipd.costs counts parameters, FLOPs and bytes exactly; minipd.viz.roofline draws what it is given."""
+"""minipd.sim.costs counts parameters, FLOPs and bytes exactly; minipd.viz.roofline draws what it is given."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from helpers import FAMILIES, hf_config
 
-from minipd import costs
 from minipd.config import ModelConfig
 from minipd.kv.contiguous import ContiguousKVCache
 from minipd.models.decoder import DecoderModel
+from minipd.sim import costs
 from minipd.viz.roofline import RooflinePoint, plot_roofline
 
 

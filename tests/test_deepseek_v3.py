@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import VOCAB, hf_config, save_tokenizer
 
-from minipd import LLM, SamplingParams, costs
+from minipd import LLM, SamplingParams
 from minipd.kernels.backend import TORCH_BACKEND
 from minipd.kv import ContiguousKVCache, PagedAttentionMetadata, PagedKVCache, PagedKVPool
 from minipd.kv.spec import KVSpec
@@ -25,6 +25,7 @@ from minipd.layers.moe import MoE
 from minipd.models import load_model
 from minipd.models.forward_context import ForwardContext
 from minipd.moe.router import SigmoidGroupedRouter
+from minipd.sim import costs
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}

@@ -1,6 +1,6 @@
 """Chapter 05 checkers against planted bugs (the three states of every checker: test_exercise_states.py).
 
-The references also agree with minipd itself: the KV bytes per token with ``minipd.costs``, and the
+The references also agree with minipd itself: the KV bytes per token with ``minipd.sim.costs``, and the
 bytes per request with what ``DisaggregatedLLM`` measures (when NIXL is installed).
 """
 
@@ -118,7 +118,7 @@ def test_route_fail_points_at_the_first_differing_request(capsys: pytest.Capture
 
 
 def test_kv_bytes_per_token_agrees_with_costs() -> None:
-    from minipd.costs import kv_bytes_per_token, preset
+    from minipd.sim.costs import kv_bytes_per_token, preset
 
     for name, key in (("Llama-3-8B", "llama-3-8b"), ("Llama-2-7B", "llama-2-7b")):
         assert ch05.reference_kv_transfer_bytes(ch05.MODEL_SHAPES[name], 1, 1, 2) == kv_bytes_per_token(preset(key))

@@ -137,6 +137,11 @@ def test_torch_distributed_transport_gives_the_same_outputs_in_every_mode(llm):
                                  for o in moved), mode
             assert all(o.metrics.kv_timeline.mode == mode for o in moved)
             wait_until_blocks_free(pd)
+        # Each worker's step records reached the front end, named by worker.
+        stats = list(pd.step_stats)
+        assert {s.worker for s in stats} == {"prefill0", "decode0"} and pd.core.num_steps == len(stats)
+        assert sum(s.num_prefill_tokens for s in stats if s.worker == "prefill0") > 0
+        assert sum(s.num_decode_tokens for s in stats if s.worker == "decode0") > 0
     assert_gone(pids)
 
 

@@ -92,7 +92,7 @@ def test_abort_reaches_the_request_at_every_stage_and_frees_its_blocks(llm, mode
     with DisaggregatedLLM("tiny-py", kv_transfer=mode, kv_lease_s=5, start_timeout=120) as pd:
         ids = [pd.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         states = [pd.processor.states[i] for i in ids]
-        assert pd.abort(ids[0]) == [ids[0]]  # at once: queued, or reserving, or prefilling
+        assert pd.abort(ids[0]) is True  # at once: queued, or reserving, or prefilling (one id: as LLM.abort)
         for _ in range(3):
             pd.step(0.01)
         pd.abort(ids[1:6])  # early on: prefilling, in transfer or just decoding

@@ -23,11 +23,14 @@ import torch
 import zmq
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
-from minipd.engine.core_client import CoreError, ExportedKV
+from minipd.engine import core_messages as cm
+from minipd.engine.core_messages import CoreError, ExportedKV
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
+from minipd.engine.stats import StepStats
 from minipd.kv.block_manager import BlockAllocation
 from minipd.kv.paged_pool import PackedKV
 from minipd.kv.spec import KVSpec
+from minipd.pd import messages as pm
 from minipd.pd.transport import PoolLayout, nixl_available
 from minipd.pd.worker import free_port
 from minipd.wire import Codec, WireError, cluster_secret, new_key
@@ -58,12 +61,38 @@ def test_every_message_type_round_trips():
     kv = PackedKV(spec, 20, [torch.randn(2, 2, 16, 2, 8).half()], [(torch.rand(2, 16, 2), torch.rand(2, 16, 2))],
                   torch.randn(2, 2, 4, 2, 8))
     layout = PoolLayout(((1 << 40, 4096), (1 << 41, 4096)), 2, 64, 0, "DRAM")
-    for message in [("add", request, None), outputs, ("import_kv", "7", kv), layout, CoreError("7", "no"),
-                    ExportedKV("7", kv), {"kind": "ready", "peer": {"name": "p", "metadata": b"\x00\x01"}},
-                    ("abort", ["1", "2"], FinishReason.ABORT), frozenset({1}), {1, 2}, torch.empty(0, 3)]:
+    stats = StepStats(1.0, 0.5, 16, 2, 3, 1, 10, 90, 0.25, 0, prefill_chunk_sizes=(16,), worker="decode0")
+    peer = {"name": "p", "metadata": b"\x00\x01"}
+    protocol = [  # every message of both protocols (checked against their lists below)
+        cm.AddRequest(request, None), cm.AddRequest(request, kv), cm.AbortRequests(["1", "2"], FinishReason.STOP),
+        cm.ImportKV("7", kv), cm.FinishKVLoad("7"), cm.ExportKV("7", 12), cm.ReleaseKV("7"), cm.Shutdown(),
+        cm.CoreReady(12, spec.to_dict(), 64, 256, [0, 5]), CoreError("7", "no"), ExportedKV("7", kv),
+        pm.AddRequest(request), pm.AddRemote(request, "prefill0", [3, 4]), pm.AddPush(request, "decode0", [1], True),
+        pm.Abort(["7"], FinishReason.ABORT), pm.ReleaseKV("7"), pm.Reserve("7", 40), pm.Adopt(request),
+        pm.ReleaseReservation("7", True), pm.AddPeer(peer), pm.InjectFault("lose_reads"), pm.AskStats(),
+        pm.Shutdown(), pm.Configure("decode0", "tiny-py", {"block_size": 16}, 30.0, None, {"name": "torch"}),
+        pm.Hello("decode", "tcp://127.0.0.1:5000", "127.0.0.1", 5001, 77, (1, 2)),
+        pm.Ready(77, peer, 64, spec.to_dict(), {"kernel_backend": "cpu"}, "decode0"),
+        pm.Outputs(outputs, {"7": [1, 2]}, {"7": {"prefill_step": (1.0, 2.0)}}, 12, [stats], "prefill0"),
+        pm.Reserved("7", None, "decode0"), pm.Reserved("7", [5, 6]),
+        pm.KVLoaded("7", 4096, 1.0, 1.5, 1.2, {"layers": [(1.0, 1.1)]}, "decode0"),
+        pm.KVFailed("7", "lease ran out", "decode0"), pm.Notice("slow", "prefill0"), pm.Failure("boom", None, "p"),
+        pm.Heartbeat("decode0"), pm.Stats(3, 61, 1, "decode0"),
+    ]
+    assert {type(x) for x in protocol} == set(cm.MESSAGES) | set(pm.MESSAGES)
+    for message in [*protocol, outputs, layout, stats, frozenset({1}), {1, 2}, torch.empty(0, 3)]:
         back = codec.decode(codec.encode(message))
         assert type(back) is type(message)
         assert repr(back) == repr(message)
+    # A field of the wrong type is refused on arrival (its message is rebuilt, and checked, there).
+    import msgpack
+
+    from minipd.wire import _DATACLASS, _pack
+
+    forged = msgpack.packb(msgpack.ExtType(_DATACLASS, _pack(["minipd.pd.messages.Reserve",
+                                                             {"request_id": "7", "num_tokens": "40"}])))
+    with pytest.raises(WireError, match="num_tokens must be int"):
+        Codec().decode(forged)
     back = codec.decode(codec.encode(kv))
     assert back.spec == spec and torch.equal(back.layers[0], kv.layers[0]) and torch.equal(back.tail, kv.tail)
     assert torch.equal(back.scales[0][1], kv.scales[0][1])
@@ -102,7 +131,7 @@ def test_pickles_forgeries_and_unknown_types_are_refused_without_running(tmp_pat
         "an enum's name": (unsigned, msgpack.packb(msgpack.ExtType(_ENUM, _pack(["subprocess.Popen", 1]))),
                           "not allowed"),
         "an unknown field": (unsigned, msgpack.packb(msgpack.ExtType(_DATACLASS, _pack(
-            ["minipd.engine.core_client.CoreError", {"request_id": None, "message": "", "__class__": 1}]))),
+            ["minipd.engine.core_messages.CoreError", {"request_id": None, "message": "", "__class__": 1}]))),
                             "no field"),
         "a tensor of an odd dtype": (unsigned, msgpack.packb(msgpack.ExtType(_TENSOR, _pack(
             ["complex128", [1], b"\x00" * 16]))), "dtype"),
@@ -173,7 +202,7 @@ def test_spawned_workers_listen_on_loopback_only_and_drop_what_they_cannot_trust
         pids = [p for group in pd.worker_pids().values() for p in group]
         # The front end's outbox is an IPC socket in a private folder; a process of the same user can
         # still reach it, and what it sends is dropped, not unpickled.
-        send_raw(f"ipc://{pd._folder}/out", pickle.dumps(Payload(marker)), pickle.dumps({"kind": "error"}))
+        send_raw(f"ipc://{pd.workers.folder}/out", pickle.dumps(Payload(marker)), pickle.dumps({"kind": "error"}))
         assert [o.token_ids for o in pd.generate(PROMPTS, GREEDY)] == expected
         addresses = listening(pids)
         if kv_transport == "torch":  # rank 0 hosts the store; gloo's pairs listen too
@@ -216,7 +245,7 @@ def test_a_listening_front_end_and_launched_workers_refuse_pickles_and_keep_serv
             assert [o.token_ids for o in pd.generate(PROMPTS, GREEDY)] == expected
             addresses = listening([w.pid for w in workers])
             assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
-            inboxes = [w.socket.getsockopt_string(zmq.LAST_ENDPOINT) for w in pd._workers.values()]
+            inboxes = [w.socket.getsockopt_string(zmq.LAST_ENDPOINT) for w in pd.workers.workers.values()]
             assert len(inboxes) == 2 and all(i.startswith("tcp://127.0.0.1:") for i in inboxes), inboxes
             for inbox in inboxes:
                 send_raw(inbox, evil, Codec(new_key()).encode(("shutdown",)))

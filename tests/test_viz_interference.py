@@ -9,8 +9,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from minipd.batching import StepRecord, Timeline, exact_params, run_continuous
 from minipd.outputs import RequestMetrics, RequestOutput
+from minipd.sim.batching import StepRecord, Timeline, exact_params, run_continuous
 from minipd.viz.interference import interference_summary, plot_interference, prefill_spans
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from minipd.config import ModelConfig
-from minipd.costs import MODEL_PRESETS
 from minipd.moe.placement import contiguous_placement, imbalance
+from minipd.sim.costs import MODEL_PRESETS
 from minipd.viz import moe as viz
 
 

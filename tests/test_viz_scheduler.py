@@ -9,9 +9,9 @@ from helpers import bars, by_gid
 matplotlib.use("Agg")
 
 
-from minipd.batching import PHASES, LoadPoint, StepRecord, Timeline
 from minipd.engine.stats import StepStats
 from minipd.outputs import RequestMetrics, RequestOutput
+from minipd.sim.batching import PHASES, LoadPoint, StepRecord, Timeline
 from minipd.viz.scheduler import (
     phase_codes,
     plot_kv_blocks,

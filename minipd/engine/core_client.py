@@ -1,6 +1,7 @@
 """Running an :class:`~minipd.engine.core.EngineCore` behind queues: in a thread, or in another process.
 
-The core loop owns the core: it takes messages (add, abort, release KV, shut down), steps while
+The core loop owns the core: it takes messages (the typed commands of
+:mod:`minipd.engine.core_messages`: add, abort, import/export/release K/V, shut down), steps while
 there is work, and sends each step's :class:`~minipd.engine.request.EngineCoreOutputs` back. A
 client submits from any thread and reads outputs. This is the shape a server, a prefill or decode
 worker and an expert-parallel rank use: the model runs in its own loop, requests arrive whenever.
@@ -22,12 +23,14 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
+from minipd.engine import core_messages as cm
 from minipd.engine.core import EngineCore
+from minipd.engine.core_messages import CoreError, CoreReady, ExportedKV
 from minipd.engine.request import EngineCoreOutputs, FinishReason, Request
 from minipd.kv.paged_pool import PackedKV
+from minipd.messages import Message
 from minipd.wire import Codec, new_key, send_nowait
 from minipd.wire import receive as wire_receive
 
@@ -36,61 +39,38 @@ class EngineDeadError(RuntimeError):
     """The engine core's thread or process is gone; requests sent to it will not finish."""
 
 
-@dataclass
-class CoreError:
-    """A message from the core loop: something it was asked failed (the loop keeps running)."""
-
-    request_id: str | None
-    message: str
-
-
-@dataclass
-class ExportedKV:
-    """The core loop's answer to an ``export_kv`` message."""
-
-    request_id: str
-    kv: PackedKV
-
-
-# Messages to the core loop, as tuples: ("add", Request, PackedKV | None), ("abort", [ids], FinishReason),
-# ("import_kv", id, PackedKV), ("finish_kv_load", id), ("export_kv", id, num_tokens | None),
-# ("release_kv", id), ("shutdown",).
-
 #: How long an otherwise busy loop waits for a message when a step could run nothing (e.g. every
 #: request waits for K/V from elsewhere), instead of spinning.
 STALLED_WAIT = 0.01
 
 
-def handle_message(core: EngineCore, message: tuple, send: Any) -> bool:
+def handle_message(core: EngineCore, message: Any, send: Any) -> bool:
     """Apply one message to ``core``; return False on shutdown. Errors go back as :class:`CoreError`."""
-    if not (isinstance(message, tuple) and message and isinstance(message[0], str)):
+    if not isinstance(message, Message):
         send(CoreError(None, f"ignored a message that is not a command: {message!r:.200}"))
         return True
-    kind = message[0]
     try:
-        if kind == "add":
-            core.add_request(message[1], message[2])
-        elif kind == "abort":
-            outputs = core.abort_requests(message[1], *message[2:])
+        if isinstance(message, cm.AddRequest):
+            core.add_request(message.request, message.kv)
+        elif isinstance(message, cm.AbortRequests):
+            outputs = core.abort_requests(message.request_ids, message.reason)
             if outputs:
                 send(EngineCoreOutputs(outputs, time.perf_counter()))
-        elif kind == "import_kv":
-            core.import_kv(message[1], message[2])
-        elif kind == "finish_kv_load":
-            core.finish_kv_load(message[1])
-        elif kind == "export_kv":
-            send(ExportedKV(message[1], core.export_kv(message[1], message[2])))
-        elif kind == "release_kv":
-            core.release_kv(message[1])
-        elif kind == "shutdown":
+        elif isinstance(message, cm.ImportKV):
+            core.import_kv(message.request_id, message.kv)
+        elif isinstance(message, cm.FinishKVLoad):
+            core.finish_kv_load(message.request_id)
+        elif isinstance(message, cm.ExportKV):
+            send(ExportedKV(message.request_id, core.export_kv(message.request_id, message.num_tokens)))
+        elif isinstance(message, cm.ReleaseKV):
+            core.release_kv(message.request_id)
+        elif isinstance(message, cm.Shutdown):
             return False
         else:
-            send(CoreError(None, f"unknown message {kind!r}"))
+            send(CoreError(None, f"unknown message {type(message).__name__}"))
     except Exception as err:  # a bad request must not take the loop (and every other request) down
-        request_id = None
-        if kind != "shutdown" and len(message) > 1:
-            request_id = message[1].request_id if kind == "add" else message[1] if isinstance(message[1], str) \
-                else None
+        request = getattr(message, "request", None)
+        request_id = request.request_id if request is not None else getattr(message, "request_id", None)
         send(CoreError(request_id, f"{type(err).__name__}: {err}"))
     return True
 
@@ -207,11 +187,11 @@ class CoreClient:
         client.info = client._wait_ready(start_timeout)
         return client
 
-    def _wait_ready(self, timeout: float) -> dict:
+    def _wait_ready(self, timeout: float) -> CoreReady:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             message = self._receive(0.2)
-            if isinstance(message, dict) and message.get("ready"):
+            if isinstance(message, CoreReady):
                 return message
             if isinstance(message, CoreError):
                 self.shutdown()
@@ -225,32 +205,32 @@ class CoreClient:
     # ------------------------------------------------------------------------------- requests
     def add_request(self, request: Request, kv: PackedKV | None = None) -> None:
         """Queue ``request`` in the core (a refusal comes back as a :class:`CoreError` output)."""
-        self._submit(("add", request, kv))
+        self._submit(cm.AddRequest(request, kv))
 
     def abort_requests(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """End requests now; each live one comes back once more with finish reason ``reason``.
 
         Pass ``FinishReason.STOP`` when the front end found a stop string (a ``hold_kv`` request then keeps its K/V).
         """
-        self._submit(("abort", list(request_ids), reason))
+        self._submit(cm.AbortRequests(list(request_ids), reason))
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept."""
-        self._submit(("release_kv", request_id))
+        self._submit(cm.ReleaseKV(request_id))
 
     def import_kv(self, request_id: str, kv: PackedKV) -> None:
         """Hand over the K/V a request added with ``num_external_tokens`` waits for."""
-        self._submit(("import_kv", request_id, kv))
+        self._submit(cm.ImportKV(request_id, kv))
 
     def finish_kv_load(self, request_id: str) -> None:
         """Say that a transport wrote the request's K/V into its blocks directly."""
-        self._submit(("finish_kv_load", request_id))
+        self._submit(cm.FinishKVLoad(request_id))
 
     def export_kv(self, request_id: str, num_tokens: int | None = None) -> None:
         """Ask for a request's K/V: an :class:`ExportedKV` comes back among the outputs."""
-        self._submit(("export_kv", request_id, num_tokens))
+        self._submit(cm.ExportKV(request_id, num_tokens))
 
-    def _submit(self, message: tuple) -> None:
+    def _submit(self, message: Message) -> None:
         if self.closed:
             raise EngineDeadError("the engine core client is shut down")
         if not self._is_alive():
@@ -283,7 +263,7 @@ class CoreClient:
         if self._is_alive():
             try:
                 with self._send_lock:
-                    self._send(("shutdown",))
+                    self._send(cm.Shutdown())
             except Exception:  # already going away
                 pass
         self._stop()
@@ -344,9 +324,8 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
 
         llm = LLM(model, **llm_options)
         core = llm.engine.core
-        send({"ready": True, "pid": os.getpid(), "kv_spec": core.kv_spec.to_dict(),
-              "num_kv_blocks": core.block_manager.num_blocks, "max_model_len": core.max_model_len,
-              "eos_token_ids": sorted(llm.engine.eos_token_ids)})
+        send(CoreReady(os.getpid(), core.kv_spec.to_dict(), core.block_manager.num_blocks, core.max_model_len,
+                       sorted(llm.engine.eos_token_ids)))
         run_core_loop(core, receive, send)
     except (SystemExit, EngineDeadError):
         pass  # the parent is gone: nobody to tell

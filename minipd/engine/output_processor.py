@@ -22,6 +22,10 @@ from minipd.outputs import RequestMetrics, RequestOutput, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
 
+#: The request metrics a disaggregated cluster reports with outputs (``EngineCoreOutput.route``).
+ROUTE_FIELDS = frozenset({"prefill_worker", "decode_worker", "kv_transfer_bytes", "kv_transfer_start",
+                          "kv_transfer_end", "kv_transfer_hidden", "kv_timeline"})
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -213,6 +217,10 @@ class OutputProcessor:
             out.num_prefill_tokens
         if m.first_scheduled_time is None:
             m.first_scheduled_time = out.first_scheduled_time
+        if out.route:
+            for name, value in out.route.items():
+                if name in ROUTE_FIELDS:
+                    setattr(m, name, value)
         if out.new_logprobs is not None:
             state.logprobs = (state.logprobs or []) + out.new_logprobs
         if state.params.prompt_logprobs is not None and state.prompt_logprobs is None and out.new_token_ids:

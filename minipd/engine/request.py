@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from minipd.kv.block_manager import BlockAllocation
 from minipd.sampling_params import SamplingParams
@@ -145,7 +146,8 @@ class EngineCoreOutput:
     #: Tokens produced for the request since the last report (one per step; none for an abort).
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
-    stop_reason: int | None = None
+    #: The stop token that ended the request (or, for an abort by failure, what failed).
+    stop_reason: int | str | None = None
     #: Counters the front end keeps in the request's metrics.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -155,6 +157,9 @@ class EngineCoreOutput:
     new_logprobs: list[dict[int, float]] | None = None
     #: ``prompt_logprobs``: the same for prompt tokens computed this step, in order.
     new_prompt_logprobs: list[dict[int, float]] | None = None
+    #: Disaggregated serving: :class:`~minipd.outputs.RequestMetrics` fields the cluster set since the last
+    #: output (the workers that served the request, its KV transfer), for the front end to copy.
+    route: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -44,6 +44,8 @@ class StepStats:
     #: and the mean entropy (nats) of the tokens' top-k weights.
     expert_counts: tuple[tuple[int, ...], ...] = ()
     router_entropy: tuple[float, ...] = ()
+    #: Disaggregated serving: the worker that ran the step ("" for a colocated engine).
+    worker: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@
 Each exercise has a reference solution (``reference_<name>``, written out plainly so a stuck
 reader can read it) and a checker (``check_<name>(fn)``) that runs the reader's function on fixed
 model shapes (tiny-py's and real ones: Llama-2-7B, Llama-3-8B, Qwen3-0.6B) and prints PASS, FAIL
-or TODO. The checkers compare against the cost model in :mod:`minipd.costs`, so a PASS means
+or TODO. The checkers compare against the cost model in :mod:`minipd.sim.costs`, so a PASS means
 "counts like minipd".
 
 The exercises are about dense models with full attention (no sliding window, no experts).
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
 
-from minipd import costs
 from minipd.config import ModelConfig
 from minipd.exercises.checking import Case, CheckResult, call_reader, report
+from minipd.sim import costs
 
 __all__ = [
     "TINY_PY_SHAPE",

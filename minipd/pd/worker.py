@@ -13,11 +13,10 @@ blocks (scheduler side) and moves bytes (worker side):
   reads them into its own blocks once they are allocated; or reserves blocks for a writer and admits
   the request once the writer says they are filled. Then it decodes.
 
-Messages in: ("add", Request), ("add_remote", Request, peer, peer block ids), ("add_push", Request,
-peer, reserved block ids, layerwise), ("reserve", id, tokens), ("adopt", Request),
-("release_reservation", id, writes started), ("abort", ids, reason), ("release_kv", id),
-("add_peer", info), ("stats",), ("fault", name), ("shutdown",). Messages out are dicts with a
-``kind``: ready, outputs, reserved, kv_loaded, kv_failed, stats, warning, heartbeat, error.
+The messages both ways are the typed dataclasses of :mod:`minipd.pd.messages` (commands in:
+``AddRequest``, ``AddRemote``, ``AddPush``, ``Reserve``, ``Adopt``, ``ReleaseReservation``, ``Abort``,
+``ReleaseKV``, ``AddPeer``, ``AskStats``, ``InjectFault``, ``Shutdown``; reports out: ``Ready``,
+``Outputs``, ``Reserved``, ``KVLoaded``, ``KVFailed``, ``Stats``, ``Notice``, ``Heartbeat``, ``Failure``).
 
 Both directions go through :class:`minipd.wire.Codec`: typed MessagePack, signed with the front
 end's key (nothing is unpickled), so a stray or forged packet is dropped with a warning. A worker
@@ -33,6 +32,7 @@ import time
 import traceback
 from typing import Any
 
+from minipd.pd import messages as m
 from minipd.wire import Codec, cluster_secret, receive
 
 #: How long the loop waits for a message when transfers or leases need watching.
@@ -114,22 +114,22 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     pull = context.socket(zmq.PULL)
     pull.bind(f"tcp://{host}:*")
     try:
-        hello = {"kind": "hello", "role": role, "inbox": pull.getsockopt_string(zmq.LAST_ENDPOINT), "host": host,
-                 "free_port": free_port(host), "pid": os.getpid(),  # in case it hosts torch.distributed's store
-                 "torchrun": None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1")))}
+        hello = m.Hello(role, pull.getsockopt_string(zmq.LAST_ENDPOINT), host,
+                        free_port(host),  # in case it hosts torch.distributed's store
+                        os.getpid(), None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1"))))
         push.send(codec.encode(hello))
         deadline = time.monotonic() + join_timeout
         while True:  # the first signed message from the front end; anything else is dropped
             if not pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 raise TimeoutError(f"no front end answered at {connect} within {join_timeout:.0f} s")
             message = receive(pull, codec, 0, "minipd worker")
-            if isinstance(message, tuple) and message:
+            if isinstance(message, (m.Configure, m.Shutdown)):
                 break
-        if message[0] != "config":
+        if not isinstance(message, m.Configure):
             return 0  # refused (the front end has enough workers) or shut down before it started
-        _, name, model, llm_options, kv_lease_s, threads, transport = message
-        transport = {**transport, "host": host}
-        _serve(name, role, model, llm_options, kv_lease_s, threads, transport, pull, push, lambda: True, codec)
+        transport = {**message.transport, "host": host}
+        _serve(message.name, role, message.model, message.llm_options, message.kv_lease_s, message.threads,
+               transport, pull, push, lambda: True, codec)
         return 0
     finally:
         push.close(linger=1000)
@@ -154,9 +154,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         # UCX (NIXL's backend) otherwise listens on every interface the machine has.
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-    def send(message: dict) -> None:
-        message["worker"] = name
-        push.send(codec.encode(message))
+    def send(report: m.Message) -> None:
+        push.send(codec.encode(m.stamped(report, name)))
 
     try:
         from minipd.llm import LLM
@@ -170,14 +169,13 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
             kv = TorchDistributedTransport(name, core.pool, transport["rank"], transport["world_size"],
                                            transport["address"], -(-core.max_model_len // core.config.block_size),
                                            transport.get("wire_dtype"), host=host)
-        send({"kind": "ready", "pid": os.getpid(), "peer": kv.peer_info(),
-              "num_kv_blocks": core.block_manager.num_blocks, "kv_spec": core.kv_spec.to_dict(),
-              "engine": {k: str(v) for k, v in core.describe().items()}})
+        send(m.Ready(os.getpid(), kv.peer_info(), core.block_manager.num_blocks, core.kv_spec.to_dict(),
+                     {k: str(v) for k, v in core.describe().items()}))
         _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
     except Exception as err:
         # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
         # and exit, and the front end sends its requests elsewhere.
-        send({"kind": "error", "message": f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"})
+        send(m.Failure(f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
 
 class _Worker:
@@ -191,9 +189,9 @@ class _Worker:
         self.role, self.core, self.transport = role, core, transport
         self.heartbeat, self.last_sent = heartbeat, time.monotonic()
 
-        def send_and_note(message: dict) -> None:
+        def send_and_note(report: m.Message) -> None:
             self.last_sent = time.monotonic()
-            send(message)
+            send(report)
 
         self.send = send_and_note
         self.kv_scheduler = KVConnectorScheduler(core, kv_lease_s)
@@ -232,39 +230,40 @@ class _Worker:
             if not parent_alive():
                 return  # the front end is gone: nobody to serve
             if time.monotonic() - self.last_sent >= self.heartbeat:
-                self.send({"kind": "heartbeat"})
+                self.send(m.Heartbeat())
             try:
                 self.watch_transfers()
             except Exception as err:  # a transport fault must not take the worker (and its requests) down
-                self.send({"kind": "warning", "message": f"{type(err).__name__}: {err}"})
+                self.send(m.Notice(f"{type(err).__name__}: {err}"))
             if self.core.has_unfinished_requests():
                 self.step_start, self.layer_marks = time.perf_counter(), []
+                steps = self.core.num_steps
                 outputs = self.core.step()
-                self.report(outputs, time.perf_counter())
+                # The step's record goes to the front end with its outputs (metrics, a fitted step-time model).
+                stats = [self.core.step_stats[-1]] if self.core.num_steps != steps and self.core.step_stats else []
+                self.report(outputs, time.perf_counter(), stats)
                 failure = self.core.take_failure()  # (after its step's tokens went out: nothing is lost)
                 if failure is not None:
-                    self.send({"kind": "warning", "message": f"{type(failure).__name__}: {failure}"})
+                    self.send(m.Notice(f"{type(failure).__name__}: {failure}"))
 
-    def handle(self, message: tuple) -> bool:
+    def handle(self, message: Any) -> bool:
         from minipd.engine.request import EngineCoreOutputs
 
-        if not (isinstance(message, tuple) and message and isinstance(message[0], str)):
-            self.send({"kind": "warning", "message": f"ignored a message that is not a command: {message!r:.200}"})
+        if not isinstance(message, m.Message):
+            self.send(m.Notice(f"ignored a message that is not a command: {message!r:.200}"))
             return True
-        kind = message[0]
         kv = self.kv_scheduler
         try:
-            if kind == "add":
-                self.core.add_request(message[1])
-            elif kind == "add_remote":  # pull: ("add_remote", Request, peer, the peer's block ids)
-                kv.add_remote(*message[1:])
-            elif kind == "add_push":  # push modes: ("add_push", Request, peer, its reserved block ids, layerwise)
-                request, peer, blocks, layerwise = message[1:]
-                self.core.add_request(request)
-                self.kv_worker.add_save(request.request_id, peer, blocks, layerwise)
-            elif kind == "abort":
+            if isinstance(message, m.AddRequest):
+                self.core.add_request(message.request)
+            elif isinstance(message, m.AddRemote):  # pull
+                kv.add_remote(message.request, message.peer, message.blocks)
+            elif isinstance(message, m.AddPush):  # push modes
+                self.core.add_request(message.request)
+                self.kv_worker.add_save(message.request.request_id, message.peer, message.blocks, message.layerwise)
+            elif isinstance(message, m.Abort):
                 now = []
-                for request_id in message[1]:
+                for request_id in message.request_ids:
                     pending = kv.pending_loads.get(request_id)
                     if pending is not None:  # its read never started: the holder may free its blocks now
                         self.kv_worker.notify(pending.peer, request_id)
@@ -272,39 +271,39 @@ class _Worker:
                     if request_id in self.kv_worker.loads:
                         # A read is landing in its blocks: free them once it has landed or failed, never
                         # before (they could be given to another request while the bytes still arrive).
-                        self.abort_after_load[request_id] = tuple(message[2:])
+                        self.abort_after_load[request_id] = (message.reason,)
                     else:
                         now.append(request_id)
-                self.report(EngineCoreOutputs(self.core.abort_requests(now, *message[2:]), time.perf_counter()))
-            elif kind == "release_kv":  # the request ended at its first token: nobody will read its blocks
-                if not kv.release(message[1]):
-                    self.core.release_kv(message[1])
-            elif kind == "reserve":
-                self.send({"kind": "reserved", "request_id": message[1], "blocks": kv.reserve(message[1], message[2])})
-            elif kind == "adopt":
-                kv.add_adopted(message[1])
+                self.report(EngineCoreOutputs(self.core.abort_requests(now, message.reason), time.perf_counter()))
+            elif isinstance(message, m.ReleaseKV):  # the request ended at its first token: nobody will read
+                if not kv.release(message.request_id):
+                    self.core.release_kv(message.request_id)
+            elif isinstance(message, m.Reserve):
+                self.send(m.Reserved(message.request_id, kv.reserve(message.request_id, message.num_tokens)))
+            elif isinstance(message, m.Adopt):
+                kv.add_adopted(message.request)
                 self.admit_filled()
-            elif kind == "release_reservation":
-                kv.release_reservation(message[1], message[2])
-            elif kind == "add_peer":
-                self.transport.add_peer(message[1])
-            elif kind == "fault":
-                self.kv_worker.faults.add(message[1])
-                if message[1] == "slow_writes":
+            elif isinstance(message, m.ReleaseReservation):
+                kv.release_reservation(message.request_id, message.after_writes)
+            elif isinstance(message, m.AddPeer):
+                self.transport.add_peer(message.peer)
+            elif isinstance(message, m.InjectFault):
+                self.kv_worker.faults.add(message.fault)
+                if message.fault == "slow_writes":
                     self.transport.store_delay_s = 0.02
-            elif kind == "stats":
+            elif isinstance(message, m.AskStats):
                 bm = self.core.block_manager
-                self.send({"kind": "stats", "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
-                           "live_requests": len(self.core.requests)})
-            elif kind == "shutdown":
+                self.send(m.Stats(bm.num_used_blocks, bm.num_free_blocks, len(self.core.requests)))
+            elif isinstance(message, m.Shutdown):
                 return False
-        except Exception as err:  # a bad message must not take the worker down
-            request_id = getattr(message[1], "request_id", None) if kind in ("add", "add_remote", "add_push") \
-                else None
-            if request_id is None:  # not about one request: the worker goes on (an "error" says it cannot)
-                self.send({"kind": "warning", "message": f"{kind!r} failed: {type(err).__name__}: {err}"})
             else:
-                self.send({"kind": "error", "request_id": request_id, "message": f"{type(err).__name__}: {err}"})
+                self.send(m.Notice(f"ignored a message that is not for a worker: {type(message).__name__}"))
+        except Exception as err:  # a bad message must not take the worker down
+            request = getattr(message, "request", None)
+            if request is None:  # not about one request: the worker goes on (a Failure says it cannot)
+                self.send(m.Notice(f"{type(message).__name__} failed: {type(err).__name__}: {err}"))
+            else:
+                self.send(m.Failure(f"{type(err).__name__}: {err}", request.request_id))
         return True
 
     def on_layer_stored(self, batch: Any, layer: int) -> None:
@@ -313,8 +312,9 @@ class _Worker:
         self.kv_worker.save_kv_layer(batch, layer)
         self.layer_marks.append((entered, time.perf_counter()))
 
-    def report(self, outputs: Any, step_end: float | None = None) -> None:
-        """Send the front end a step's (or an abort's) outputs, with the blocks of prefills that hold their K/V."""
+    def report(self, outputs: Any, step_end: float | None = None, stats: list | None = None) -> None:
+        """Send the front end a step's (or an abort's) outputs and record, with the blocks of prefills that
+        hold their K/V."""
         from minipd.engine.request import RequestStatus
 
         held, timelines = {}, {}
@@ -335,9 +335,8 @@ class _Worker:
             else:
                 held[out.request_id] = list(request.blocks.block_table)
                 self.kv_scheduler.hold(out.request_id)
-        if outputs.outputs or held:
-            self.send({"kind": "outputs", "outputs": outputs, "held": held, "timelines": timelines,
-                       "free_blocks": self.core.block_manager.num_free_blocks})
+        if outputs.outputs or held or stats:
+            self.send(m.Outputs(outputs, held, timelines, self.core.block_manager.num_free_blocks, stats or []))
 
     def step_timeline(self, step_end: float) -> dict:
         """The step just taken: its bounds, and each layer's compute (from the previous hook's return to
@@ -348,7 +347,7 @@ class _Worker:
 
     def admit_filled(self) -> None:
         for request_id, why in self.kv_scheduler.admit_filled().items():
-            self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
+            self.send(m.KVFailed(request_id, why))
 
     def watch_transfers(self) -> None:
         """Start the loads whose blocks are ready; act on every transfer that ended and every lease that ran out."""
@@ -373,23 +372,21 @@ class _Worker:
                 kv.on_written(request_id, given_up)
         self.admit_filled()
         for request_id in kv.expire():
-            self.send({"kind": "kv_failed", "request_id": request_id, "message": "reservation expired"})
+            self.send(m.KVFailed(request_id, "reservation expired"))
         for request_id, (num_bytes, start, end) in finished.done_recving.items():
             if request_id in self.abort_after_load:
                 reason = self.abort_after_load.pop(request_id)
                 self.report(EngineCoreOutputs(self.core.abort_requests([request_id], *reason), time.perf_counter()))
             elif request_id in self.core.requests:
                 self.core.finish_kv_load(request_id)
-                self.send({"kind": "kv_loaded", "request_id": request_id, "bytes": num_bytes, "start": start,
-                           "end": end})
+                self.send(m.KVLoaded(request_id, num_bytes, start, end))
         for request_id, why in finished.failed_recving.items():
             self._fail_load(request_id, why)
         for request_id, save in finished.done_sending.items():
             self.core.release_kv(request_id)
             timeline = self.timelines.pop(request_id, {})
-            report = {"kind": "kv_loaded", "request_id": request_id, "bytes": save.num_bytes,
-                      "start": save.started, "end": time.perf_counter(), "compute_end": save.compute_end,
-                      "timeline": {**timeline, "sends": save.sends}}
+            report = m.KVLoaded(request_id, save.num_bytes, save.started, time.perf_counter(), save.compute_end,
+                                {**timeline, "sends": save.sends})
             if "late_reports" in mover.faults:  # reach the front end well after the decode worker's outputs
                 self.late.append((time.monotonic() + 0.3, report))
             else:
@@ -401,7 +398,7 @@ class _Worker:
         for request_id, why in finished.failed_sending.items():
             self.core.release_kv(request_id)
             self.timelines.pop(request_id, None)
-            self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
+            self.send(m.KVFailed(request_id, why))
 
     def _fail_load(self, request_id: str, why: str) -> None:
         """A read that failed or outlived its lease: drop the request here; the front end recomputes it."""
@@ -410,4 +407,4 @@ class _Worker:
         self.kv_worker.cancel_load(request_id)
         self.abort_after_load.pop(request_id, None)
         self.core.abort_requests([request_id], FinishReason.ABORT)
-        self.send({"kind": "kv_failed", "request_id": request_id, "message": why})
+        self.send(m.KVFailed(request_id, why))

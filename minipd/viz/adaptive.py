@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from minipd.bench_adaptive import LoadResult
+    from minipd.bench.adaptive import LoadResult
     from minipd.engine.stats import StepStats
 
 #: One colour per cache format, the same in every plot.

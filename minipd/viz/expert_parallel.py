@@ -82,7 +82,7 @@ def plot_layer_timeline(timelines: dict[str, Sequence[tuple[str, float, float]]]
 
 def plot_wire_bytes(rows: Sequence[dict[str, Any]], ax: Axes | None = None) -> Axes:
     """Bytes per dispatched row out and per answer back, per wire format (rows from
-    :func:`minipd.bench_ep.wire_table`), with the greedy agreement written over each format."""
+    :func:`minipd.bench.expert_parallel.wire_table`), with the greedy agreement written over each format."""
     import matplotlib.pyplot as plt
 
     if ax is None:

@@ -1,6 +1,6 @@
 """Prefill/decode interference on one engine: how a long prompt's prefill stalls the requests decoding.
 
-A run of :func:`minipd.batching.run_continuous` in which some requests decode steadily while a long
+A run of :func:`minipd.sim.batching.run_continuous` in which some requests decode steadily while a long
 prompt arrives holds everything needed: each decoding request's token times (``outputs[i].metrics``)
 and, per step, when it ran and whether the long prompt was being prefilled (``steps``).
 :func:`interference_summary` reduces a run to a few numbers; :func:`plot_interference` draws every
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
-from minipd.batching import Timeline
+from minipd.sim.batching import Timeline
 from minipd.viz.latency import TTFT_COLOR
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def plot_interference(runs: Mapping[str, Timeline], long_index: int = -1, axes: 
     multiple of its steady gap (see :func:`interference_summary`).
 
     Args:
-        runs: label (e.g. ``"budget 2048"``) -> a finished :func:`~minipd.batching.run_continuous` run.
+        runs: label (e.g. ``"budget 2048"``) -> a finished :func:`~minipd.sim.batching.run_continuous` run.
         long_index: which request is the long prompt (default: the last); the others are decoding.
         axes: one Axes per run; a new column of panels, 9 inches wide, is made when None.
 

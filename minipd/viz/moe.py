@@ -3,7 +3,7 @@
 Three kinds of helpers live here, each tested in ``tests/test_viz_moe.py``:
 
 - **numbers** the plots need: :func:`moe_model` (parameters and FLOPs of real MoE models, from
-  :mod:`minipd.costs` presets, or from their public configs where no preset exists yet),
+  :mod:`minipd.sim.costs` presets, or from their public configs where no preset exists yet),
   :func:`expected_experts_touched`, :func:`token_class`, :func:`capacity_load`;
 - **plots**, each drawing on given Axes (or new ones) and returning them;
 - a **widget**, :func:`routing_explorer` (top-k and capacity sliders over recorded router logits), with
@@ -148,10 +148,10 @@ class MoEModel:
         return dtype_bytes * (self.always_read_params + self.moe_layers * touched * self.expert_params)
 
 
-#: The three models of the chapter, by :mod:`minipd.costs` preset name.
+#: The three models of the chapter, by :mod:`minipd.sim.costs` preset name.
 MOE_MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3")
 
-#: huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (shape fields), for when minipd.costs has no preset.
+#: huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (shape fields), for when minipd.sim.costs has no preset.
 QWEN3_30B_A3B_CONFIG: dict[str, Any] = dict(
     model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -169,7 +169,7 @@ DEEPSEEK_V3_CONFIG: dict[str, int] = dict(
 
 
 def _from_model_config(name: str, cfg: ModelConfig, source: str) -> MoEModel:
-    from minipd.costs import count_parameters, matmul_weights_per_token
+    from minipd.sim.costs import count_parameters, matmul_weights_per_token
 
     counts = count_parameters(cfg)
     moe_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
@@ -210,20 +210,20 @@ def _deepseek_v3(c: Mapping[str, int] = DEEPSEEK_V3_CONFIG) -> MoEModel:
 
 
 def moe_model(name: str) -> MoEModel:
-    """Sizes of the real MoE model ``name`` (one of :data:`MOE_MODELS`, or any MoE preset of :mod:`minipd.costs`).
+    """Sizes of the real MoE model ``name`` (one of :data:`MOE_MODELS`, or any MoE preset of :mod:`minipd.sim.costs`).
 
-    A :mod:`minipd.costs` preset is used when there is one (``source`` says so); otherwise the model's
+    A :mod:`minipd.sim.costs` preset is used when there is one (``source`` says so); otherwise the model's
     public config is counted here, with the same conventions. A dense model is a ``ValueError``.
     """
     from minipd.config import ModelConfig
-    from minipd.costs import MODEL_PRESETS
+    from minipd.sim.costs import MODEL_PRESETS
 
     preset = MODEL_PRESETS.get(name)
     if preset is not None and preset.is_moe:
-        return _from_model_config(name, preset, "minipd.costs preset")
+        return _from_model_config(name, preset, "minipd.sim.costs preset")
     if name == "qwen3-30b-a3b":
         return _from_model_config(name, ModelConfig.from_dict(QWEN3_30B_A3B_CONFIG),
-                                  "public config.json (Qwen/Qwen3-30B-A3B), counted with minipd.costs")
+                                  "public config.json (Qwen/Qwen3-30B-A3B), counted with minipd.sim.costs")
     if name == "deepseek-v3":
         return _deepseek_v3()
     raise ValueError(f"unknown MoE model {name!r}; known: {', '.join(MOE_MODELS)}")

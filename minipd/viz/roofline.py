@@ -1,6 +1,6 @@
 """The roofline: attainable FLOP/s against arithmetic intensity, log-log, for one or more devices.
 
-A device is two numbers (:class:`~minipd.costs.DeviceSpec`): peak FLOP/s, the flat roof, and
+A device is two numbers (:class:`~minipd.sim.costs.DeviceSpec`): peak FLOP/s, the flat roof, and
 memory bandwidth, the slanted one (``intensity × bandwidth``). A step with intensity ``I`` FLOP/byte
 cannot run faster than ``min(peak, I × bandwidth)``; left of the ridge point it is memory-bound,
 right of it compute-bound. matplotlib is imported inside the function: ``import minipd`` never pays
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minipd.costs import DeviceSpec
+from minipd.sim.costs import DeviceSpec
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,6 +1,6 @@
 """Scheduler plots: who ran in each step, what a step computed, the KV pool, and throughput vs latency.
 
-The timeline plot reads a :class:`~minipd.batching.Timeline` (what :mod:`minipd.batching` records);
+The timeline plot reads a :class:`~minipd.sim.batching.Timeline` (what :mod:`minipd.sim.batching` records);
 the step plots read the engine's own per-step records, ``llm.engine.step_stats``
 (:class:`~minipd.engine.stats.StepStats`). matplotlib is imported inside the functions.
 So that tests and readers can find the plotted data, every artist that carries data has a ``gid``
@@ -13,15 +13,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from minipd.batching import PHASES, LoadPoint, Timeline
 from minipd.engine.stats import StepStats
 from minipd.outputs import RequestOutput
+from minipd.sim.batching import PHASES, LoadPoint, Timeline
 from minipd.viz.latency import QUEUE_COLOR, TPOT_COLOR, TTFT_COLOR, _axes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-#: One colour per phase of :data:`minipd.batching.PHASES`; prefill and decode match the latency plots.
+#: One colour per phase of :data:`minipd.sim.batching.PHASES`; prefill and decode match the latency plots.
 PHASE_COLORS = {
     "": "white",
     "queued": QUEUE_COLOR,
@@ -59,7 +59,7 @@ def plot_schedule_timeline(timeline: Timeline, ax: Axes | None = None, title: st
     labels are ``ax.texts``, in row order.
 
     Args:
-        timeline: what :func:`minipd.batching.run_continuous` (or ``run_static`` / ``run_dynamic``) recorded.
+        timeline: what :func:`minipd.sim.batching.run_continuous` (or ``run_static`` / ``run_dynamic``) recorded.
         ax: Axes to draw on; a new figure is made when None.
         title: the plot's title; by default the batching scheme and its step count.
         show_tokens: label prefill cells with their token counts.
@@ -198,7 +198,7 @@ def plot_throughput_latency(series: Mapping[str, Sequence[LoadPoint]], axes: Seq
     """Throughput against mean TPOT (left) and mean TTFT (right), one line per series.
 
     Each series is a knob swept over values (e.g. ``max_num_seqs`` 1, 2, 4, 8), one
-    :class:`~minipd.batching.LoadPoint` per value, labelled next to its point. The lines have gid
+    :class:`~minipd.sim.batching.LoadPoint` per value, labelled next to its point. The lines have gid
     ``"<series>/tpot"`` and ``"<series>/ttft"``; x is in ms, y in output tokens per second.
 
     Returns:

@@ -9,17 +9,17 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 - ``shared-prefix``: 32 requests sharing a 256-token prefix: prefill tokens computed and mean TTFT
   with prefix caching on and off;
 - ``pd`` (run on its own): prefill/decode interference, colocated against split workers
-  (:mod:`minipd.bench_pd`);
+  (:mod:`minipd.bench.pd`);
 - ``adaptive`` (run on its own): every KV format in the same memory under growing bursts: preemptions,
-  concurrency and quality (:mod:`minipd.bench_adaptive`);
+  concurrency and quality (:mod:`minipd.bench.adaptive`);
 - ``moe`` (run on its own): the MoE kernel ladder, loop against grouped matmul (and the fused Triton
-  kernel on a GPU) on one MoE layer (:mod:`minipd.bench_moe`);
+  kernel on a GPU) on one MoE layer (:mod:`minipd.bench.moe`);
 - ``ep`` (run on its own): expert parallelism over processes, serial against overlapped micro-batches
-  against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench_ep`).
+  against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench.expert_parallel`).
 
 ``--scale`` shrinks every workload (request counts and lengths) for a quick look; ``--rounds`` sets how
 many times each system runs, taking turns, for the min and median reported. On a CPU the run starts by
-measuring the machine's GEMM peak and memory bandwidth (:mod:`minipd.floor`): throughput is also given
+measuring the machine's GEMM peak and memory bandwidth (:mod:`minipd.bench.floor`): throughput is also given
 as useful FLOP/s, a share of that peak.
 """
 
@@ -241,19 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.workload == "pd":
-        from minipd.bench_pd import main as pd_main
+        from minipd.bench.pd import main as pd_main
 
         return pd_main(args.model, args.scale, args.rounds)
     if args.workload == "adaptive":
-        from minipd.bench_adaptive import main as adaptive_main
+        from minipd.bench.adaptive import main as adaptive_main
 
         return adaptive_main(args.model, args.scale)
     if args.workload == "moe":
-        from minipd.bench_moe import main as moe_main
+        from minipd.bench.moe import main as moe_main
 
         return moe_main("tiny-py-moe" if args.model == "tiny-py" else args.model, args.scale)
     if args.workload == "ep":
-        from minipd.bench_ep import main as ep_main
+        from minipd.bench.expert_parallel import main as ep_main
 
         return ep_main("tiny-py-moe" if args.model == "tiny-py" else args.model, args.scale)
 
@@ -261,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from minipd import LLM, SamplingParams
-    from minipd.floor import describe, measure_floor, workload_flops
+    from minipd.bench.floor import describe, measure_floor, workload_flops
 
     s = args.scale
     if args.model.startswith("random-"):  # a random-weight model of that size, built once in the temp folder
-        from minipd.random_models import build_random_model
+        from minipd.bench.random_models import build_random_model
 
         args.model = str(build_random_model(args.model))
     llm = LLM(args.model)

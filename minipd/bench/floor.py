@@ -2,7 +2,7 @@
 in the same run, and the useful FLOPs a workload needs.
 
 "Useful" FLOPs are the model's: every weight a token is multiplied by, attention over the keys it
-sees, and the LM head once per sampled token (:func:`minipd.costs.step_cost`), nothing for padding or
+sees, and the LM head once per sampled token (:func:`minipd.sim.costs.step_cost`), nothing for padding or
 recomputation. A run's achieved useful FLOP/s divided by the GEMM peak says how much of the machine
 the engine turns into model arithmetic; the rest is overhead, memory stalls or small, inefficient
 matrix products.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minipd.config import ModelConfig
-from minipd.costs import step_cost
+from minipd.sim.costs import step_cost
 
 
 @dataclass
