@@ -56,9 +56,24 @@ def _build_kernels(_: argparse.Namespace) -> int:
     module, why = load_kernel()
     if module is None:
         print(f"not built: {why}; the engine keeps the torch reference (kernel_backend='torch')")
-        return 1
-    print("built: kernel_backend='cpu' is now the default on this machine's CPU")
-    return 0
+    else:
+        print("built: kernel_backend='cpu' is now the default on this machine's CPU")
+    import torch
+
+    from minipd.kernels.measured import measure_linear_backend, save_choice
+
+    threads = torch.get_num_threads()
+    for count in sorted({1, threads}):  # (one thread: what a disaggregated worker runs on by default)
+        torch.set_num_threads(count)
+        print(f"timing the linear layers on {count} thread(s): torch's F.linear against oneDNN's packed "
+              "weights...", flush=True)
+        record = measure_linear_backend()
+        path = save_choice("linear_backend", record, threads=count)
+        ratio = f"oneDNN takes {record['ratio']:.2f}x torch's time" if record.get("ratio") else record.get("why", "")
+        print(f"linear_backend='auto' will use {record['choice']!r} on {count} thread(s) here ({ratio}; "
+              f"kept in {path})")
+    torch.set_num_threads(threads)
+    return 0 if module is not None else 1
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -17,10 +17,9 @@ import torch
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
+from minipd.engine.factory import build_core, eos_token_ids
 from minipd.engine.inputs import check_llm_args
-from minipd.errors import ParameterError
 from minipd.llm_base import LLMBase
-from minipd.models.loading import load_model
 from minipd.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -49,31 +48,19 @@ class LLM(LLMBase):
                  dtype: torch.dtype | str | None = None, max_model_len: int | None = None, seed: int | None = None,
                  **engine_options: object) -> None:
         engine_config = EngineConfig.from_options(engine_options)
-        max_model_len, seed = check_llm_args(max_model_len, seed)  # before loading: bad values cost nothing
-        self.model, self.model_path = load_model(model, device=device, dtype=dtype)
-        self.config: ModelConfig = self.model.config
+        _, seed = check_llm_args(max_model_len, seed)  # before loading: bad values cost nothing
+        built = build_core(model, device=device, dtype=dtype, max_model_len=max_model_len,
+                           engine_config=engine_config)
+        self.model_path = built.model_path
+        self.config: ModelConfig = built.model.config
         self.tokenizer = Tokenizer(self.model_path)
-        context = self.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= context:
-            raise ParameterError("max_model_len",
-                                 f"max_model_len must be in [2, {context}] for this model, got {max_model_len}")
-        self.max_model_len = max_model_len or context
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        self.max_model_len = built.core.max_model_len
         #: The other processes holding this model's experts (``expert_parallel_size > 1``), else None.
-        self.expert_parallel: ExpertParallelRanks | None = None
-        if engine_config.expert_parallel_size > 1:
-            from minipd.moe.ranks import start_ranks
-
-            self.expert_parallel = start_ranks(
-                self.model, self.model_path, engine_config.expert_parallel_size, moe_backend=engine_config.moe_backend,
-                timeout=engine_config.expert_parallel_timeout,
-                micro_batches=2 if engine_config.expert_parallel_overlap else 1)
-            self.expert_parallel.group.overlap = engine_config.expert_parallel_overlap
+        self.expert_parallel: ExpertParallelRanks | None = built.expert_parallel
+        if self.expert_parallel is not None:
             # Stop the ranks when this LLM is collected or the interpreter exits, if close() was not called.
             self._finalizer = weakref.finalize(self, self.expert_parallel.close)
-        self.engine = Engine(self.model, self.tokenizer, engine_config, self.max_model_len, frozenset(eos), seed)
+        self.engine = Engine.from_core(built.core, self.tokenizer, eos_token_ids(built.core, self.tokenizer), seed)
         #: The model as this LLM's engine runs it (its own view of the loaded weights: packed or quantized
         #: linears, MoE settings); swap a part here and generate() uses it.
         self.model = self.engine.core.model

@@ -241,3 +241,24 @@ def test_two_engines_on_one_model_keep_their_own_linears():
         assert "PackedLinear" not in kinds(cores["torch"].model)  # built before, still its own
     else:
         print("oneDNN is not available here: the packed engine of this check was not built")
+
+
+def test_auto_linears_follow_what_was_measured_on_this_machine(tmp_path, monkeypatch):
+    from minipd.kernels.measured import SHAPES, machine_key, measure_linear_backend, measured_choice, save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    record = measure_linear_backend(rounds=1, budget_s=0.001)
+    assert record["choice"] in ("torch", "onednn")
+    if onednn_available():
+        assert len(record["cases"]) == len(SHAPES) * 4 and (record["ratio"] < 0.95) == (record["choice"] == "onednn")
+    assert measured_choice("linear_backend") is None
+    assert "not measured" in LLM("tiny-py", num_kv_blocks=16).describe()["linear_backend_reason"] or \
+        not onednn_available()
+    for choice in ("torch", "onednn") if onednn_available() else ("torch",):
+        save_choice("linear_backend", {**record, "choice": choice})
+        assert measured_choice("linear_backend") == choice
+        info = LLM("tiny-py", num_kv_blocks=16).describe()
+        assert info["linear_backend"] == choice and info["linear_backend_reason"].startswith("measured")
+    # A measurement of another machine (or another thread count) is not this one's.
+    assert machine_key(threads=99) != machine_key() and measured_choice("linear_backend", threads=99) is None
+    assert LLM("tiny-py", num_kv_blocks=16, linear_backend="torch").describe()["linear_backend_reason"] == "asked for"

@@ -463,3 +463,23 @@ def test_abort_takes_one_id_or_a_list_and_refuses_anything_else(llm):
         assert refused.value.param == "request_id"
     assert llm.engine.block_manager.num_used_blocks == 0
     assert llm.generate("def f():", SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
+def test_engine_options_can_be_given_by_group_and_read_back_by_group():
+    from minipd.engine.config import GROUPS
+
+    flat = EngineConfig(block_size=32, kv_cache_dtype="int8", max_num_seqs=4, compile_decode=False)
+    grouped = EngineConfig.from_options({"cache": {"block_size": 32, "kv_cache_dtype": "int8"},
+                                         "scheduler": {"max_num_seqs": 4}, "compile": {"compile_decode": False}})
+    assert grouped == flat and grouped.cache.block_size == 32 and grouped.scheduler.max_num_seqs == 4
+    assert sorted(n for names in GROUPS.values() for n in names) == sorted(f for f in flat.__dataclass_fields__)
+    assert grouped.grouped()["cache"]["kv_cache_dtype"] == "int8"
+    with refused("cache.max_num_seqs", r"cache has no field 'max_num_seqs'"):
+        EngineConfig.from_options({"cache": {"max_num_seqs": 4}})
+    with refused("block_size", r"block_size is given twice"):
+        EngineConfig.from_options({"cache": {"block_size": 32}, "block_size": 16})
+    with refused("cache", r"cache must be a dict"):
+        EngineConfig.from_options({"cache": 32})
+    with refused("block_size", r"^block_size must"):
+        EngineConfig.from_options({"cache": {"block_size": True}})
+    assert LLM("tiny-py", cache={"num_kv_blocks": 64}).engine.block_manager.num_blocks == 64

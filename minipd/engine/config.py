@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 from minipd.errors import ParameterError
 from minipd.sampling_params import is_integer, is_real
@@ -14,7 +15,10 @@ class EngineConfig:
     """How the engine sizes its KV pool and schedules work.
 
     Every field is checked when the config is built, before a model is loaded: a bad value is a
-    ``ValueError`` naming the field and what it allows. Bools are refused where integers are
+    :class:`~minipd.errors.ParameterError` (a ``ValueError``) naming the field and what it allows. The
+    fields fall in groups (:data:`GROUPS`: scheduler, cache, kernels, compile, moe, snapshots): ``LLM``
+    takes them flat or by group (``cache={"block_size": 32}``), and ``config.cache.block_size`` reads one
+    back. Bools are refused where integers are
     expected (Python would read True as 1); NumPy integers are stored as plain ints.
 
     Args:
@@ -322,10 +326,76 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, options: dict) -> EngineConfig:
-        """Build from ``LLM(**options)``; an unknown option is an error that lists the known ones."""
+        """Build from ``LLM(**options)``: flat fields, or groups of them (see :meth:`flatten`); an unknown
+        option is an error that lists the known ones."""
+        options = cls.flatten(options)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ParameterError(unknown[0], f"unknown engine option(s) {', '.join(unknown)}; "
-                                             f"known: {', '.join(sorted(known))}")
+                                             f"known: {', '.join(sorted(known))} (or the groups "
+                                             f"{', '.join(GROUPS)})")
         return cls(**options)
+
+    @staticmethod
+    def flatten(options: dict) -> dict:
+        """``options`` with every group (``cache={"block_size": 32}``) spread into its fields; a field given
+        both flat and in its group, or in a group it does not belong to, is refused. Other keys pass as given."""
+        flat = {k: v for k, v in options.items() if k not in GROUPS}
+        for group, values in options.items():
+            if group not in GROUPS:
+                continue
+            if not isinstance(values, dict):
+                raise ParameterError(group, f"{group} must be a dict of its fields ({', '.join(GROUPS[group])}), "
+                                            f"got {type(values).__name__}")
+            for name, value in values.items():
+                if name not in GROUPS[group]:
+                    raise ParameterError(f"{group}.{name}", f"{group} has no field {name!r}; its fields: "
+                                                            f"{', '.join(GROUPS[group])}")
+                if name in flat:
+                    raise ParameterError(name, f"{name} is given twice: flat and in {group}")
+                flat[name] = value
+        return flat
+
+    def grouped(self) -> dict[str, dict[str, object]]:
+        """The fields by group (scheduler, cache, kernels, compile, moe, snapshots)."""
+        return {group: {name: getattr(self, name) for name in names} for group, names in GROUPS.items()}
+
+    @property
+    def scheduler(self) -> SimpleNamespace:
+        """The scheduler's fields: token budget, sequences, policy, stats kept."""
+        return SimpleNamespace(**self.grouped()["scheduler"])
+
+    @property
+    def cache(self) -> SimpleNamespace:
+        """The KV cache's fields: blocks, memory, prefix caching, format, adaptive precision, eviction."""
+        return SimpleNamespace(**self.grouped()["cache"])
+
+    @property
+    def kernels(self) -> SimpleNamespace:
+        """The kernels' fields: attention backend, linears, weight dtype, CPU threads."""
+        return SimpleNamespace(**self.grouped()["kernels"])
+
+    @property
+    def compile(self) -> SimpleNamespace:
+        """Compiled decode's fields."""
+        return SimpleNamespace(**self.grouped()["compile"])
+
+    @property
+    def moe(self) -> SimpleNamespace:
+        """Mixture of experts' fields: expert backend, capacity, routing and dispatch formats, expert parallelism."""
+        return SimpleNamespace(**self.grouped()["moe"])
+
+
+#: EngineConfig's fields by group: ``LLM(model, cache={"block_size": 32, "kv_cache_dtype": "int8"})`` is
+#: ``LLM(model, block_size=32, kv_cache_dtype="int8")``, and ``config.cache.block_size`` reads one back.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "scheduler": ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy", "stats_history"),
+    "cache": ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype",
+              "kv_adaptive_format", "kv_adaptive_thresholds", "kv_eviction", "kv_budget", "kv_eviction_granularity"),
+    "kernels": ("kernel_backend", "linear_backend", "weight_dtype", "cpu_threads"),
+    "compile": ("compile_decode", "compile_warmup", "compile_batch_sizes"),
+    "moe": ("moe_backend", "moe_capacity_factor", "moe_overflow", "router_dtype", "moe_dispatch_dtype",
+            "expert_parallel_size", "expert_parallel_timeout", "expert_parallel_overlap", "record_routing"),
+    "snapshots": ("snapshot_interval", "snapshot_path"),
+}

@@ -181,11 +181,21 @@ class EngineCore(StepCore):
     def _set_linear_backend(self, model: DecoderModel, backend: str) -> str:
         """Pack the linears for oneDNN when asked, or by default for fp32 on a CPU that has it."""
         from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
+        from minipd.kernels.measured import measured_choice
 
         unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
+        #: Why the linears take the path they take (shown by describe()).
+        self.linear_backend_reason = "asked for"
         if backend == "auto":
-            backend = "onednn" if (self.device.type == "cpu" and self.dtype == torch.float32
-                                   and onednn_available()) else "torch"
+            packable = self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available()
+            measured = measured_choice("linear_backend") if packable else None
+            if measured in ("torch", "onednn"):
+                backend, self.linear_backend_reason = measured, "measured on this machine (build-kernels)"
+            else:
+                backend = "onednn" if packable else "torch"
+                self.linear_backend_reason = ("not measured on this machine (python -m minipd build-kernels "
+                                              "measures it): oneDNN where it packs") if packable else \
+                    "oneDNN packs fp32 weights on a CPU only"
         if backend == "onednn":
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
@@ -200,6 +210,7 @@ class EngineCore(StepCore):
         dtype = str(self.dtype).removeprefix("torch.")
         info = {"device": str(self.device), "dtype": dtype,
                 "kernel_backend": self.kernels.name, "linear_backend": self.linear_backend,
+                "linear_backend_reason": self.linear_backend_reason,
                 "weight_dtype": "int8" if self.config.weight_dtype == "int8" else dtype,
                 "kv_cache_dtype": (self.config.kv_cache_dtype if self.config.kv_cache_dtype != "auto"
                                    else str(self.kv_spec.dtype).removeprefix("torch.")),

@@ -319,13 +319,15 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
             if not parent_alive():
                 raise SystemExit(0)
 
+    built = None
     try:
-        from minipd.llm import LLM
+        from minipd.engine.factory import build_core, eos_token_ids
+        from minipd.tokenizer import Tokenizer
 
-        llm = LLM(model, **llm_options)
-        core = llm.engine.core
+        built = build_core(model, **llm_options)
+        core = built.core
         send(CoreReady(os.getpid(), core.kv_spec.to_dict(), core.block_manager.num_blocks, core.max_model_len,
-                       sorted(llm.engine.eos_token_ids)))
+                       sorted(eos_token_ids(core, Tokenizer(built.model_path)))))
         run_core_loop(core, receive, send)
     except (SystemExit, EngineDeadError):
         pass  # the parent is gone: nobody to tell
@@ -334,6 +336,8 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
             send(CoreError(None, f"engine core process failed: {type(err).__name__}: {err}\n"
                                  f"{traceback.format_exc()}"))
     finally:
+        if built is not None:
+            built.close()
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()

@@ -40,9 +40,20 @@ class Engine(FrontEnd):
 
     def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
                  eos_token_ids: frozenset[int], seed: int | None = None) -> None:
-        core = EngineCore(model, config, max_model_len)
-        super().__init__(core, tokenizer, max_model_len, eos_token_ids, core.model.config.vocab_size, seed)
-        self.model = core.model  # the engine's own view of ``model`` (see EngineCore)
+        self._setup(EngineCore(model, config, max_model_len), tokenizer, eos_token_ids, seed)
+
+    @classmethod
+    def from_core(cls, core: EngineCore, tokenizer: Tokenizer, eos_token_ids: frozenset[int],
+                  seed: int | None = None) -> Engine:
+        """The engine over a core built already (see :func:`minipd.engine.factory.build_core`)."""
+        engine = cls.__new__(cls)
+        engine._setup(core, tokenizer, eos_token_ids, seed)
+        return engine
+
+    def _setup(self, core: EngineCore, tokenizer: Tokenizer, eos_token_ids: frozenset[int], seed: int | None) -> None:
+        config = core.config
+        FrontEnd.__init__(self, core, tokenizer, core.max_model_len, eos_token_ids, core.model.config.vocab_size, seed)
+        self.model = core.model  # the engine's own view of the model (see EngineCore)
         self.config = config
         if config.snapshot_interval and config.snapshot_path is not None:
             from minipd.engine.snapshot import SnapshotError, is_snapshot

@@ -107,6 +107,7 @@ class DisaggregatedLLM(LLMBase):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > least:
                 raise ParameterError(name, f"{name} must be a number of seconds > {least}, got {value!r}")
         seed = check_seed("seed", seed)
+        llm_options = EngineConfig.flatten(llm_options)  # (engine options given by group read as flat ones)
         if kv_transport is None:
             kv_transport = "nixl" if nixl_available() is None else "torch"
         if kv_transport not in TRANSPORTS:

@@ -157,12 +157,13 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
     def send(report: m.Message) -> None:
         push.send(codec.encode(m.stamped(report, name)))
 
+    built = None
     try:
-        from minipd.llm import LLM
+        from minipd.engine.factory import build_core
         from minipd.pd.transport import NixlTransport, TorchDistributedTransport
 
-        llm = LLM(model, **llm_options)
-        core = llm.engine.core
+        built = build_core(model, **llm_options)  # (requests carry their EOS tokens: no tokenizer needed)
+        core = built.core
         if transport["name"] == "nixl":
             kv = NixlTransport(name, core.pool)
         else:
@@ -176,6 +177,9 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
         # and exit, and the front end sends its requests elsewhere.
         send(m.Failure(f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if built is not None:
+            built.close()
 
 
 class _Worker:
