@@ -195,3 +195,41 @@ def test_the_core_process_exits_when_its_parent_is_killed(tmp_path):
         "    print(client.process.pid, flush=True)\n"
         "    time.sleep(600)\n")
     assert_child_exits_with_its_parent(script, "the engine core process")
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_the_shared_front_end_drives_a_core_in_a_thread_or_a_process(llm, where):
+    """One front end for every core: FrontEnd over RemoteCore gives LLM.generate's outputs, and aborts reach it."""
+    from minipd.engine.core_client import RemoteCore
+    from minipd.engine.front_end import FrontEnd
+
+    params = params_list()
+    expected = [(o.token_ids, o.text) for o in llm.generate(PROMPTS, params)]
+    if where == "thread":
+        own = LLM("tiny-py", num_kv_blocks=40)
+        core = RemoteCore(CoreClient.in_thread(own.engine.core), own.max_model_len, 16, 40)
+    else:
+        core = RemoteCore.in_process("tiny-py", num_kv_blocks=40)
+    front = FrontEnd(core, llm.tokenizer, core.max_model_len, llm.engine.eos_token_ids, llm.config.vocab_size, seed=0)
+    try:
+        states = [front.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True))]
+        for state in states:
+            front.add(state)
+        deadline = time.monotonic() + 60
+        while front.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the core did not finish"
+            front.step()
+        assert [(s.token_ids, s.text) for s in states] == expected
+        with pytest.raises(ValueError, match="prompts\\[0\\] may grow to"):  # checked against the core's pool
+            front.add_request("def f():", SamplingParams(max_tokens=900))
+        long = front.make_request("def main():", SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        front.add(long)
+        while not long.token_ids:
+            front.step()
+        assert front.abort(long.request_id)
+        while front.has_unfinished_requests():
+            assert time.monotonic() < deadline + 30, "the abort did not come back"
+            front.step()
+        assert long.finish_reason == "abort" and len(long.token_ids) < 500
+    finally:
+        core.shutdown()
