@@ -22,11 +22,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from minipd.engine.config import EngineConfig
+from minipd.engine.eviction import Evictor
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
@@ -36,7 +37,7 @@ from minipd.kernels.backend import get_backend
 from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
-from minipd.kv.press import AttentionTracker, blocks_to_drop, make_press
+from minipd.kv.press import AttentionTracker, make_press
 from minipd.kv.spec import KVSpec
 from minipd.layers.moe import MoE
 from minipd.models.decoder import DecoderModel
@@ -115,19 +116,10 @@ class EngineCore(StepCore):
             self.runner.compiled = self._compile_decode(max_model_len)
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
-        self.press = None if config.kv_eviction is None else make_press(config.kv_eviction)
-        if self.press is not None and self.kv_spec.latent and (self.press.needs_keys or self.press.needs_attention):
-            # Known now, not at the first eviction: MLA's pool has no per-head keys to score or watch.
-            raise ValueError(f"kv_eviction={type(self.press).__name__} scores per-head keys or the attention they "
-                             "receive, but this model uses multi-head latent attention and its pool holds "
-                             "compressed latents; use 'sink-window' or 'random', or no kv_eviction")
-        self.attention_tracker: AttentionTracker | None = None
-        if self.press is not None and self.press.needs_attention:
-            self.attention_tracker = AttentionTracker(config.block_size, getattr(self.press, "window", None))
-            self.runner.attention_observer = self.attention_tracker.observe
-        #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
-        self.num_evicted_blocks = 0
-        self.num_evicted_tokens = 0
+        #: Keeps each request's K/V within ``kv_budget`` (``kv_eviction``), or None.
+        self.evictor = None if config.kv_eviction is None else Evictor(make_press(config.kv_eviction), config,
+                                                                       self.kv_spec, self.pool, self.block_manager,
+                                                                       self.runner)
         #: A step whose eviction failed (done again before the next step), and the error kept for the caller.
         self._pending_eviction: ScheduledBatch | None = None
 
@@ -385,6 +377,11 @@ class EngineCore(StepCore):
         return request
 
     # -------------------------------------------------------------------------------------- step
+    def set_layer_hook(self, hook: Callable[[ScheduledBatch, int], None] | None) -> None:
+        """Call ``hook(batch, layer)`` once each layer's K/V of a step are stored (layer-wise KV transfer
+        posts them while the next layer computes); None removes it. Steps run eagerly while one is set."""
+        self.runner.layer_hook = hook
+
     # ------------------------------------------------------------------------- the step's hooks
     # The step itself is StepCore.step. A failure of the eviction press (it runs once the step's tokens
     # exist, since it scores the K/V the step wrote) is kept, not raised: the eviction is done again first
@@ -426,7 +423,7 @@ class EngineCore(StepCore):
         self.threads.restore()
 
     def _after_tokens(self, batch: ScheduledBatch) -> None:
-        if self.press is not None:
+        if self.evictor is not None:
             try:
                 self._evict(batch)
             except Exception as err:
@@ -475,61 +472,28 @@ class EngineCore(StepCore):
                 "kv_compressions": bm.num_compressions}
 
     def _evict(self, batch: ScheduledBatch) -> None:
-        """Drop the lowest-scored full blocks of every request in the step that holds more than its budget."""
-        bs, budget = self.config.block_size, self.config.kv_budget
-        if self.attention_tracker is not None:
-            self.attention_tracker.forget(set(self.requests))
-        for request, _ in batch.entries:
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            alloc = request.blocks
-            cached = request.num_computed_tokens - alloc.num_dropped_tokens
-            if self.config.kv_eviction_granularity == "token":
-                self._evict_tokens(request, cached)
-                continue
-            count = (cached - budget) // bs  # whole blocks only: up to a block over the budget is kept
-            full = cached // bs
-            if count < 1 or full < count:
-                continue
-            table = torch.tensor(alloc.block_table[:full], device=self.pool.k.device)
-            firsts = alloc.block_positions(bs)[:full]
-            context = {}
-            if self.attention_tracker is not None:
-                context = {"attention": self.attention_tracker.block_mass(request.request_id, firsts),
-                           "num_prompt_tokens": request.num_prompt_tokens}
-            keys = self.pool.keys(table) if self.press.needs_keys else self.pool.keys_shape(table)
-            drop = blocks_to_drop(self.press, keys, firsts, request.num_computed_tokens, count, **context)
-            self.block_manager.drop_blocks(alloc, drop, request.num_computed_tokens)
-            self.num_evicted_blocks += len(drop)
+        """Drop what the step's requests hold over their budget (see :class:`~minipd.engine.eviction.Evictor`)."""
+        self.evictor.evict(batch, self.requests)  # type: ignore[union-attr]
 
-    def _evict_tokens(self, request: Request, cached: int) -> None:
-        """Token-level eviction: once a request holds a block's worth of tokens over its budget, drop the
-        lowest-scored tokens down to the budget and compact the rest to the front of its blocks, so that
-        whole blocks go back to the pool. The press scores tokens as blocks of one token each."""
-        bs, budget, spec = self.config.block_size, self.config.kv_budget, self.kv_spec
-        if cached - budget < bs:
-            return
-        alloc = request.blocks
-        positions = alloc.cache_positions(bs, cached)
-        shape = (cached, spec.num_layers, 1, spec.num_kv_heads, spec.head_dim)
-        if self.press.needs_keys:
-            blocks = torch.tensor(alloc.block_table[:-(-cached // bs)], device=self.pool.k.device)
-            keys = self.pool.keys(blocks).transpose(1, 2).flatten(0, 1)[:cached].unsqueeze(2)  # tokens as blocks
-        else:
-            keys = torch.empty(shape, device="meta")
-        context = {}
-        if self.attention_tracker is not None:
-            context = {"attention": self.attention_tracker.block_mass(request.request_id, positions, width=1),
-                       "num_prompt_tokens": request.num_prompt_tokens}
-        drop = set(blocks_to_drop(self.press, keys, positions, request.num_computed_tokens, cached - budget,
-                                  **context))
-        blocks_before = len(alloc.block_table)
-        moves = self.block_manager.compact(alloc, [i for i in range(cached) if i not in drop], cached)
-        if moves is None:
-            return  # no free block to copy a shared one into: try again next step
-        self.pool.move_slots(moves)
-        self.num_evicted_blocks += blocks_before - len(alloc.block_table)
-        self.num_evicted_tokens += len(drop)
+    @property
+    def press(self) -> Any:
+        """The eviction press (``kv_eviction``), or None."""
+        return None if self.evictor is None else self.evictor.press
+
+    @property
+    def attention_tracker(self) -> AttentionTracker | None:
+        """What the attention-scoring presses read (None for the others)."""
+        return None if self.evictor is None else self.evictor.tracker
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks given back by the press so far."""
+        return 0 if self.evictor is None else self.evictor.num_evicted_blocks
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Tokens dropped by token-level eviction so far."""
+        return 0 if self.evictor is None else self.evictor.num_evicted_tokens
 
     def _apply_imports(self) -> bool:
         """Write the K/V given with requests whose blocks are allocated; True if any arrived.

@@ -203,7 +203,7 @@ class _Worker:
         wire_bytes = getattr(transport, "bytes_per_block", core.kv_spec.bytes_per_block)
         self.kv_worker = KVConnectorWorker(transport, core.config.block_size, wire_bytes, core.kv_spec.num_layers,
                                            kv_lease_s)
-        core.runner.layer_hook = self.on_layer_stored
+        core.set_layer_hook(self.on_layer_stored)
         # The step under way: when it started, and each layer's (hook entered, hook left) times; what the
         # prefill of each request that finished in it looked like, for the front end's timelines.
         self.step_start = 0.0
