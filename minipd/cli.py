@@ -73,6 +73,13 @@ def _build_kernels(_: argparse.Namespace) -> int:
         print(f"linear_backend='auto' will use {record['choice']!r} on {count} thread(s) here ({ratio}; "
               f"kept in {path})")
     torch.set_num_threads(threads)
+    if threads > 1:
+        from minipd.kernels.measured import measure_small_step_tokens
+
+        print(f"timing small steps on 1 thread against {threads}...", flush=True)
+        record = measure_small_step_tokens(threads)
+        save_choice("small_step_tokens", record, threads=threads)
+        print(f"cpu_threads='auto' will run steps of up to {record['choice']} tokens on one thread here")
     return 0 if module is not None else 1
 
 

@@ -262,3 +262,17 @@ def test_auto_linears_follow_what_was_measured_on_this_machine(tmp_path, monkeyp
     # A measurement of another machine (or another thread count) is not this one's.
     assert machine_key(threads=99) != machine_key() and measured_choice("linear_backend", threads=99) is None
     assert LLM("tiny-py", num_kv_blocks=16, linear_backend="torch").describe()["linear_backend_reason"] == "asked for"
+
+
+def test_the_one_thread_step_size_follows_what_was_measured(tmp_path, monkeypatch):
+    from minipd.kernels.measured import measure_small_step_tokens, save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    record = measure_small_step_tokens(threads=2, rounds=1, budget_s=0.001)
+    assert record["choice"] in (0, 1, 2, 4, 8, 16, 32, 64) and set(record["one_thread_vs_all"]) == {1, 2, 4, 8, 16,
+                                                                                                     32, 64}
+    assert LLM("tiny-py", num_kv_blocks=16).engine.core.small_step_tokens == SMALL_STEP_TOKENS  # not measured
+    save_choice("small_step_tokens", {**record, "choice": 16})
+    llm = LLM("tiny-py", num_kv_blocks=16)
+    assert llm.engine.core.small_step_tokens == 16 and llm.describe()["one_thread_up_to_tokens"] == 16
+    assert threads_for_step("auto", 16, 8, small=16) == 1 and threads_for_step("auto", 17, 8, small=16) == 8

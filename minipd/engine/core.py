@@ -32,8 +32,9 @@ from minipd.engine.model_runner import ModelRunner
 from minipd.engine.request import Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.step_core import StepCore
-from minipd.engine.threads import StepThreads, threads_for_step
+from minipd.engine.threads import SMALL_STEP_TOKENS, StepThreads, threads_for_step
 from minipd.kernels.backend import get_backend
+from minipd.kernels.measured import measured_choice
 from minipd.kv.adaptive import AdaptiveBlockManager, AdaptiveKVPool, adaptive_ratio
 from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
@@ -77,6 +78,10 @@ class EngineCore(StepCore):
         self.default_threads = torch.get_num_threads()
         #: The per-step thread count, held across the steps of a run and given back when it ends.
         self.threads = StepThreads()
+        #: Under ``cpu_threads="auto"``, steps of up to this many tokens run on one thread: as measured on this
+        #: machine by ``build-kernels``, else the default.
+        measured = measured_choice("small_step_tokens", self.default_threads) if self.device.type == "cpu" else None
+        self.small_step_tokens = measured if isinstance(measured, int) and measured >= 0 else SMALL_STEP_TOKENS
         from minipd.kernels.int8_linear import Int8Linear, quantize_linears
 
         if any(isinstance(m, Int8Linear) for m in model.modules()):
@@ -150,7 +155,8 @@ class EngineCore(StepCore):
                                   width_buckets=not kernel)
         if self.config.compile_warmup:
             cpu = self.device.type == "cpu"
-            compiled.warm_up(threads=lambda rows: threads_for_step(self.config.cpu_threads, rows, self.default_threads)
+            compiled.warm_up(threads=lambda rows: threads_for_step(self.config.cpu_threads, rows, self.default_threads,
+                                                                   self.small_step_tokens)
                              if cpu else None)
         return compiled
 
@@ -173,7 +179,6 @@ class EngineCore(StepCore):
     def _set_linear_backend(self, model: DecoderModel, backend: str) -> str:
         """Pack the linears for oneDNN when asked, or by default for fp32 on a CPU that has it."""
         from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
-        from minipd.kernels.measured import measured_choice
 
         unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
         #: Why the linears take the path they take (shown by describe()).
@@ -209,7 +214,9 @@ class EngineCore(StepCore):
                 "num_kv_blocks": self.block_manager.num_blocks, "block_size": self.config.block_size,
                 "compile_decode": (f"on ({len(compiled.batch_sizes)} batch sizes)" if compiled is not None
                                    else "off"),
-                "scheduling_policy": self.scheduler.policy.name}
+                "scheduling_policy": self.scheduler.policy.name, "cpu_threads": self.config.cpu_threads}
+        if self.device.type == "cpu" and self.config.cpu_threads == "auto":
+            info["one_thread_up_to_tokens"] = self.small_step_tokens
         if self.moe_layers:
             info["moe_backend"] = self.config.moe_backend
         if self.press is not None:
@@ -417,7 +424,8 @@ class EngineCore(StepCore):
             # count of that size: choose by the bucket, not the live rows, or it would be built again.
             bucket = self.runner.compiled_bucket(batch)
             step_tokens = bucket[0] if bucket is not None else batch.num_tokens
-            self.threads.enter(threads_for_step(self.config.cpu_threads, step_tokens, self.default_threads))
+            self.threads.enter(threads_for_step(self.config.cpu_threads, step_tokens, self.default_threads,
+                                                self.small_step_tokens))
 
     def _leave_step(self) -> None:
         self.threads.restore()

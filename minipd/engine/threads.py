@@ -4,7 +4,9 @@ A step of a few tokens (one or two streams decoding) is a string of small matrix
 each over two threads costs a fork/join per product and buys little, and when the machine is busy
 a second thread mostly waits for a core. Big steps (prefill chunks, large decode batches) do gain
 from every core. ``"auto"`` therefore runs steps of up to :data:`SMALL_STEP_TOKENS` tokens on one thread
-and bigger ones on the threads torch had when the engine was built; a number fixes the count.
+and bigger ones on the threads torch had when the engine was built; a number fixes the count. Where
+the crossing lies depends on the machine: ``python -m minipd build-kernels`` measures it, and the
+engine uses that measurement when there is one for this machine.
 The caller's count comes back when the engine runs out of work (:class:`StepThreads`).
 """
 
@@ -16,10 +18,12 @@ import torch
 SMALL_STEP_TOKENS = 4
 
 
-def threads_for_step(setting: int | str, num_tokens: int, default: int) -> int:
-    """Threads for a step of ``num_tokens`` tokens under ``setting`` (``"auto"`` or a count)."""
+def threads_for_step(setting: int | str, num_tokens: int, default: int, small: int = SMALL_STEP_TOKENS) -> int:
+    """Threads for a step of ``num_tokens`` tokens under ``setting`` (``"auto"`` or a count): under "auto",
+    one for steps of up to ``small`` tokens (measured on the machine by ``python -m minipd build-kernels``
+    when it was run, see :func:`minipd.kernels.measured.measure_small_step_tokens`), else ``default``."""
     if setting == "auto":
-        return 1 if num_tokens <= SMALL_STEP_TOKENS else default
+        return 1 if num_tokens <= small else default
     return int(setting)
 
 

@@ -1,4 +1,5 @@
-"""Choices made by measuring this machine, not by guessing from its vendor: which linear path is faster.
+"""Choices made by measuring this machine, not by guessing from its vendor: which linear path is faster,
+and up to which step size one thread beats all of them.
 
 Whether oneDNN's packed linears beat torch's ``F.linear`` (MKL) depends on the CPU: on an AMD EPYC with
 AVX-512 oneDNN took about half MKL's time from 4 rows up, while on an Intel Xeon with AMX MKL was as fast
@@ -132,5 +133,35 @@ def measure_linear_backend(rounds: int = 5, budget_s: float = 0.02) -> dict[str,
             "torch_s": totals["torch"], "onednn_s": totals["onednn"], "cases": cases, **cpu_description()}
 
 
-__all__ = ["choices_file", "cpu_description", "machine_key", "measure_linear_backend", "measured_choice",
-           "save_choice"]
+@torch.inference_mode()
+def measure_small_step_tokens(threads: int | None = None, rounds: int = 5, budget_s: float = 0.01) -> dict[str, Any]:
+    """Up to how many tokens a step is faster on one thread than on ``threads`` (torch's count by default):
+    a chain of tiny-py-sized linears (the bulk of a small step) timed at 1, 2, 4 ... 64 rows on both counts,
+    interleaved. The choice is the largest row count up to which one thread never lost (0: it always lost)."""
+    threads = threads or torch.get_num_threads()
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    chain = nn.Sequential(*[nn.Linear(a, b) for a, b in ((256, 768), (768, 256))] * 3)
+    cases: dict[int, float] = {}
+    try:
+        for rows in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(rows, 256, generator=gen)
+            repeats = max(3, int(budget_s / max(_time(chain, x, 3), 1e-7)))
+            times: dict[int, list[float]] = {1: [], threads: []}
+            for _ in range(rounds):
+                for count in times:
+                    torch.set_num_threads(count)
+                    times[count].append(_time(chain, x, repeats))
+            cases[rows] = round(statistics.median(times[1]) / statistics.median(times[threads]), 3)
+    finally:
+        torch.set_num_threads(before)
+    choice = 0
+    for rows, ratio in cases.items():  # (in increasing order)
+        if ratio > 1.0:
+            break
+        choice = rows
+    return {"choice": choice, "threads": threads, "one_thread_vs_all": cases, **cpu_description()}
+
+
+__all__ = ["choices_file", "cpu_description", "machine_key", "measure_linear_backend", "measure_small_step_tokens",
+           "measured_choice", "save_choice"]
