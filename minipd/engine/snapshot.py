@@ -41,7 +41,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from minipd.kv.paged_pool import PackedKV
 from minipd.kv.spec import KVSpec
@@ -49,7 +49,24 @@ from minipd.outputs import RequestMetrics
 from minipd.sampling_params import SamplingParams, check_seed, is_integer, is_real
 
 if TYPE_CHECKING:
-    from minipd.engine.engine import Engine
+    from minipd.engine.core import EngineCore
+    from minipd.engine.output_processor import OutputProcessor, RequestState
+
+
+class Engine(Protocol):
+    """What snapshots need of an engine (:class:`minipd.engine.engine.Engine`, which imports this module
+    lazily: a protocol, so the two modules do not import each other)."""
+
+    core: EngineCore
+    processor: OutputProcessor
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    def make_request(self, prompt: Any, params: SamplingParams, index: int = 0, request_id: str | None = None,
+                     arrival_time: float | None = None, *, hold_kv: bool = False,
+                     num_external_tokens: int = 0) -> RequestState: ...
+
+    def add(self, state: RequestState, kv: Any = None) -> str: ...
 
 FORMAT = "minipd-snapshot"
 #: 2: the manifest is checksummed and carries log-probabilities (version 1 is refused: it had no checksum).

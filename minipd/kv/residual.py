@@ -28,15 +28,27 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from minipd.kv.quant import QuantFormat, QuantizedLayerCache
 
-if TYPE_CHECKING:
-    from minipd.kv.paged_pool import PagedKVPool
+
+class PagedKVPool(Protocol):
+    """What the window needs of the paged pool that holds it (:class:`minipd.kv.paged_pool.PagedKVPool`,
+    which imports this module: a protocol, so the two modules do not import each other)."""
+
+    block_size: int
+    num_blocks: int
+    num_residual_slots: int
+    k: Any
+    residual_k: Any
+    residual_v: Any
+    step_plan: Any
+
+    def thaw(self, slot: int, block_id: int, filled: int) -> None: ...
 
 
 @dataclass
