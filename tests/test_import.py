@@ -29,12 +29,12 @@ def test_import_is_light_and_offline():
 
 
 def test_the_scheduler_and_block_manager_import_without_torch():
-    """A simulator drives them with no model: importing them must not pull in torch."""
+    """A simulator drives them (and the step loop) with no model: importing them must not pull in torch."""
     import subprocess
     import sys
 
-    code = ("import sys; import minipd.engine.scheduler, minipd.kv.block_manager, minipd.engine.request; "
-            "print('torch' in sys.modules)")
+    code = ("import sys; import minipd.engine.scheduler, minipd.kv.block_manager, minipd.engine.request, "
+            "minipd.engine.step_core; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

@@ -61,6 +61,17 @@ def check_fits_pool(num_tokens: int, max_tokens: int, max_model_len: int, block_
                                    f"{num_blocks} blocks; raise num_kv_blocks or lower max_tokens")
 
 
+def record_step(stats: StepStats, history: deque[StepStats], callbacks: list[Callable[[StepStats], None]]) -> None:
+    """Keep a step's record and hand it to every callback; a callback's bug is logged, never raised (it
+    must not lose the step's tokens)."""
+    history.append(stats)
+    for callback in callbacks:
+        try:
+            callback(stats)
+        except Exception:
+            logger.exception("step callback %r failed; the step's outputs are kept", callback)
+
+
 class StepCore:
     """Requests in, one transactional step at a time, :class:`EngineCoreOutputs` out.
 
@@ -257,12 +268,7 @@ class StepCore:
 
     def _record(self, stats: StepStats) -> None:
         self.num_steps += 1
-        self.step_stats.append(stats)
-        for callback in self.step_callbacks:
-            try:
-                callback(stats)
-            except Exception:  # an observer's bug must not lose the step's tokens
-                logger.exception("step callback %r failed; the step's outputs are kept", callback)
+        record_step(stats, self.step_stats, self.step_callbacks)
 
     @staticmethod
     def _output(request: Request, new_tokens: list[int], new_logprobs: list[dict[int, float]] | None = None,

@@ -33,7 +33,7 @@ from typing import Any
 
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
 from minipd.engine.stats import StepStats
-from minipd.engine.step_core import check_fits_pool
+from minipd.engine.step_core import check_fits_pool, record_step
 from minipd.errors import ParameterError
 from minipd.outputs import KVTimeline
 from minipd.pd import messages as m
@@ -504,14 +504,8 @@ class ClusterCore:
     def _record(self, worker: Worker, stats: Any) -> None:
         if not isinstance(stats, StepStats):
             return
-        stats = dataclasses.replace(stats, worker=worker.name)
         self.num_steps += 1
-        self.step_stats.append(stats)
-        for callback in self.step_callbacks:
-            try:
-                callback(stats)
-            except Exception:  # an observer's bug must not lose the step's tokens
-                logger.exception("step callback %r failed", callback)
+        record_step(dataclasses.replace(stats, worker=worker.name), self.step_stats, self.step_callbacks)
 
     # ------------------------------------------------------------------------------ operations
     def inject_fault(self, worker: str, fault: str) -> None:
