@@ -1,0 +1,433 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Lanes of one score / accumulator panel row: one AVX-512 register of fp32, two AVX2 ones.
+constexpr int64_t kLanes = 16;
+// Panel rows kept in registers at once (keys of a score panel, head-dim entries of an output panel).
+#ifdef __AVX512F__
+constexpr int kPanelRows = 8;
+#else
+constexpr int kPanelRows = 4;
+#endif
+// Query rows (queries x query heads of a group) a prefill tile aims for, and its range in queries.
+constexpr int64_t kTileRows = 64, kMinTileQueries = 8, kMaxTileQueries = 32;
+// The score of a masked (query, key) pair: finite, so a row with nothing visible yet never computes
+// -inf - -inf; its probability is set to 0 explicitly.
+constexpr float kMasked = -1e30f;
+
+// exp(x) within 2 ulps (Cody-Waite reduction, degree-6 polynomial), plain arithmetic so that loops
+// calling it vectorise (std::exp does not without -ffast-math). Inputs are clamped to [-87.3, 88.3]:
+// below, it returns ~1e-38 instead of 0, which only ever multiplies zeros or negligible terms here.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  // Round x / ln 2 to the nearest integer by adding and removing 1.5 * 2^23 (std::floor would not vectorise).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// c[i][:] = (kKeep ? c[i][:] * keep[:] : 0) + sum_j a(i, j) * b[j][:] for I rows of kLanes lanes, where
+// a(i, j) = a[i * a_i + j * a_j]. The one inner loop of both products of a prefill tile; the I x kLanes
+// accumulators stay in registers over the whole depth.
+template <int I, bool kKeep>
+inline void panel(const float* a, int64_t a_i, int64_t a_j, const float* b, int64_t ldb, int64_t depth,
+                  float* c, int64_t ldc, const float* keep) {
+  float acc[I][kLanes];
+  for (int i = 0; i < I; ++i) {
+#pragma omp simd
+    for (int64_t r = 0; r < kLanes; ++r) acc[i][r] = kKeep ? c[i * ldc + r] * keep[r] : 0.f;
+  }
+  for (int64_t j = 0; j < depth; ++j) {
+    const float* bj = b + j * ldb;
+    for (int i = 0; i < I; ++i) {
+      const float aij = a[i * a_i + j * a_j];
+#pragma omp simd
+      for (int64_t r = 0; r < kLanes; ++r) acc[i][r] += aij * bj[r];
+    }
+  }
+  for (int i = 0; i < I; ++i) {
+#pragma omp simd
+    for (int64_t r = 0; r < kLanes; ++r) c[i * ldc + r] = acc[i][r];
+  }
+}
+
+// The whole (rows x width) product c = [c * keep +] a b, width a multiple of kLanes, in panels.
+template <bool kKeep>
+inline void product(const float* a, int64_t a_i, int64_t a_j, const float* b, int64_t ldb, int64_t depth,
+                    float* c, int64_t ldc, int64_t rows, int64_t width, const float* keep) {
+  for (int64_t r0 = 0; r0 < width; r0 += kLanes) {
+    const float* keep_r = kKeep ? keep + r0 : nullptr;
+    int64_t i = 0;
+    for (; i + kPanelRows <= rows; i += kPanelRows)
+      panel<kPanelRows, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+    for (; i + 4 <= rows; i += 4)  // a GQA group of 4 query heads, in decode
+      panel<4, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+    for (; i < rows; ++i) panel<1, kKeep>(a + i * a_i, a_i, a_j, b + r0, ldb, depth, c + i * ldc + r0, ldc, keep_r);
+  }
+}
+
+// keys_t[d * kLanes + t] = entry d of key t, for kLanes keys `row` floats apart (keys at or past n repeat
+// key n - 1, a valid row) and d < depth. Half of the decode kernel's time went into this as a scalar
+// loop; with AVX-512 each 16 x 16 slab is transposed in registers (four rounds of shuffles).
+inline void transpose_keys(const float* keys, int64_t row, int64_t n, int64_t depth, float* keys_t) {
+#ifdef __AVX512F__
+  if (depth % 16 == 0 && kLanes == 16) {
+    for (int64_t d0 = 0; d0 < depth; d0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(keys + std::min<int64_t>(i, n - 1) * row + d0);
+      for (int i = 0; i < 16; i += 2) {  // 32-bit interleave of row pairs
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {  // 64-bit interleave
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), e = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+      }
+      for (int h = 0; h < 16; h += 8) {  // 128-bit lanes, within each half
+        for (int j = 0; j < 4; ++j) {
+          t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + 4 + j], 0x88);
+          t[h + 4 + j] = _mm512_shuffle_f32x4(r[h + j], r[h + 4 + j], 0xdd);
+        }
+      }
+      for (int j = 0; j < 8; ++j) {  // 128-bit lanes, across the halves: register j now holds entry d0 + j
+        _mm512_storeu_ps(keys_t + (d0 + j) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88));
+        _mm512_storeu_ps(keys_t + (d0 + 8 + j) * 16, _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < kLanes; ++t) {
+    const float* k = keys + std::min(t, n - 1) * row;
+    for (int64_t d = 0; d < depth; ++d) keys_t[d * kLanes + t] = k[d];
+  }
+}
+
+void check_pool(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q must be (tokens, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
+  for (const torch::Tensor* t : {&q, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "q and the caches must be contiguous fp32 CPU tensors");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and the query heads must be a multiple of the KV heads");
+  for (const torch::Tensor* t : {&block_tables, &context_lens})
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->device().is_cpu() && t->is_contiguous(),
+                "block tables and lengths must be contiguous int64 CPU tensors");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == context_lens.size(0),
+              "block_tables must be (sequences, width) and context_lens (sequences,)");
+}
+
+// Sequence `seq` keeps its first `length` positions in valid blocks of its table row (read unchecked later).
+void check_blocks(const int64_t* tables, int64_t width, int64_t seq, int64_t length, int64_t block_size,
+                  int64_t num_blocks) {
+  TORCH_CHECK(length >= 0 && length <= width * block_size && length < std::numeric_limits<int32_t>::max(),
+              "sequence ", seq, ": context length ", length, " does not fit its block table");
+  for (int64_t j = 0; j < (length + block_size - 1) / block_size; ++j) {
+    const int64_t block = tables[seq * width + j];
+    TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", seq, ": block id ", block, " out of range");
+  }
+}
+
+// One work item of a prefill: a tile of one sequence's queries against one KV head.
+struct PrefillTile {
+  int64_t seq, first_query, num_queries, kv_head, cost;
+};
+
+}  // namespace
+
+// q (B, H, D), caches (N, block_size, KVH, D), tables (B, max_blocks) int64, lens (B) int64; fp32.
+// k_new, v_new: empty, or (B, KVH, D): position lens[b] - 1 is read from them, not from the pool.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                           int64_t window, torch::Tensor k_new, torch::Tensor v_new) {
+  check_pool(q, k_cache, v_cache, block_tables, context_lens);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t group = H / KVH, table_width = block_tables.size(1);
+  TORCH_CHECK(context_lens.size(0) == B, "one length per query");
+  const bool has_new = k_new.numel() > 0;
+  if (has_new) {
+    for (const torch::Tensor* t : {&k_new, &v_new})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous() &&
+                      t->dim() == 3 && t->size(0) == B && t->size(1) == KVH && t->size(2) == D,
+                  "k_new and v_new must be contiguous fp32 (batch, kv_heads, head_dim) CPU tensors");
+  }
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(!has_new || lp[b] >= 1, "sequence ", b, ": with k_new a context holds at least the new token");
+    check_blocks(tp, table_width, b, has_new ? lp[b] - 1 : lp[b], bs, num_blocks);
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const float* knp = has_new ? k_new.data_ptr<float>() : nullptr;
+  const float* vnp = has_new ? v_new.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t row = KVH * D, block_stride = bs * row;
+  const float fscale = static_cast<float>(scale);
+  // The head size as a constant for the common sizes: fixed trip counts let the compiler unroll and keep
+  // the per-key loops in registers.
+  auto run = [&](auto head_dim) {
+    constexpr int64_t kD = decltype(head_dim)::value;
+    const int64_t Dn = kD > 0 ? kD : D;
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(group * Dn), scores(group * kLanes), keys_t(Dn * kLanes), m(group), l(group);
+      for (int64_t idx = begin; idx < end; ++idx) {
+        const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        // With the new token supplied, the pool holds the positions before it only.
+        const int64_t pool_end = has_new ? len - 1 : len;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.end(), 0.f);
+        const float* qb = qp + (b * H + kvh * group) * Dn;
+        // first < pool_end: an empty range would give a block of no scores, whose correction is exp(-inf + inf).
+        for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
+          const int64_t block = tp[b * table_width + start / bs];
+          const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
+          const float* kb = kp + block * block_stride + kvh * Dn;
+          const float* vb = vp + block * block_stride + kvh * Dn;
+          // Up to kLanes keys at a time (a block may hold more).
+          for (int64_t c0 = lo; c0 < hi; c0 += kLanes) {
+            // Scores of the whole group against the chunk as one small product: its keys are first
+            // laid out transposed (head_dim x kLanes), so each query head's scores fill one register-wide row.
+            const int64_t n = std::min(hi - c0, kLanes);
+            transpose_keys(kb + (c0 - start) * row, row, n, Dn, keys_t.data());
+            product<false>(qb, Dn, 1, keys_t.data(), kLanes, Dn, scores.data(), kLanes, group, kLanes, nullptr);
+            for (int64_t g = 0; g < group; ++g) {
+              float* sg = scores.data() + g * kLanes;
+              float block_max = -std::numeric_limits<float>::infinity();
+              for (int64_t t = 0; t < n; ++t) {
+                sg[t] *= fscale;
+                block_max = std::max(block_max, sg[t]);
+              }
+              // Rescale what was accumulated to the new running maximum, once per chunk of keys.
+              const float m_new = std::max(m[g], block_max);
+              const float correction = std::exp(m[g] - m_new);
+              float* a = acc.data() + g * Dn;
+              l[g] *= correction;
+#pragma omp simd
+              for (int64_t d = 0; d < Dn; ++d) a[d] *= correction;
+              // The chunk's probabilities in one vectorised pass (a scalar std::exp per key was most of the time).
+              float block_sum = 0.f;
+#pragma omp simd reduction(+:block_sum)
+              for (int64_t t = 0; t < n; ++t) {
+                sg[t] = exp_approx(sg[t] - m_new);
+                block_sum += sg[t];
+              }
+              l[g] += block_sum;
+              for (int64_t t = 0; t < n; ++t) {
+                const float pt = sg[t];
+                const float* v = vb + (c0 - start + t) * row;
+#pragma omp simd
+                for (int64_t d = 0; d < Dn; ++d) a[d] += pt * v[d];
+              }
+              m[g] = m_new;
+            }
+          }
+        }
+        if (has_new) {
+          // The new token, last position of the context: one more single-row step of the online softmax.
+          const float* kn = knp + (b * KVH + kvh) * Dn;
+          const float* vn = vnp + (b * KVH + kvh) * Dn;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qh = qb + g * Dn;
+            float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < Dn; ++d) dot += qh[d] * kn[d];
+            dot *= fscale;
+            const float m_new = std::max(m[g], dot);
+            const float correction = std::exp(m[g] - m_new), p = std::exp(dot - m_new);
+            l[g] = l[g] * correction + p;
+            float* a = acc.data() + g * Dn;
+#pragma omp simd
+            for (int64_t d = 0; d < Dn; ++d) a[d] = a[d] * correction + p * vn[d];
+            m[g] = m_new;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* o = op + (b * H + kvh * group + g) * Dn;
+          const float inv = 1.f / l[g];
+          for (int64_t d = 0; d < Dn; ++d) o[d] = acc[g * Dn + d] * inv;
+        }
+      }
+    });
+  };
+  switch (D) {
+    case 32: run(std::integral_constant<int64_t, 32>{}); break;
+    case 64: run(std::integral_constant<int64_t, 64>{}); break;
+    case 128: run(std::integral_constant<int64_t, 128>{}); break;
+    default: run(std::integral_constant<int64_t, 0>{});
+  }
+  return out;
+}
+
+// q (N, H, D): sequence i's queries are rows query_start_loc[i] .. query_start_loc[i + 1], the last of its
+// context_lens[i] positions (their K/V already in the pool). Causal; window > 0 keeps the `window` most
+// recent keys of each query. Caches, tables and lengths as for paged_decode.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor query_start_loc,
+                            torch::Tensor context_lens, double scale, int64_t window) {
+  check_pool(q, k_cache, v_cache, block_tables, context_lens);
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kLong && query_start_loc.device().is_cpu() &&
+                  query_start_loc.is_contiguous() && query_start_loc.dim() == 1 &&
+                  query_start_loc.size(0) == context_lens.size(0) + 1,
+              "query_start_loc must be a contiguous int64 CPU tensor of sequences + 1 offsets");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t B = context_lens.size(0), group = H / KVH, table_width = block_tables.size(1);
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  if (window <= 0) window = 0;
+
+  // Tiles of queries: each K/V row loaded serves tile_queries x group query rows, padded to whole panels.
+  const int64_t tile_queries = std::clamp(kTileRows / group, kMinTileQueries, kMaxTileQueries);
+  const int64_t width = (tile_queries * group + kLanes - 1) / kLanes * kLanes;
+  std::vector<PrefillTile> tiles;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_begin = qsl[b], q_end = qsl[b + 1], len = lp[b];
+    TORCH_CHECK(0 <= q_begin && q_begin <= q_end && q_end <= N && q_end - q_begin <= len,
+                "sequence ", b, ": its queries must be rows of q and the last of its context");
+    check_blocks(tp, table_width, b, len, bs, num_blocks);
+    for (int64_t first_query = q_begin; first_query < q_end; first_query += tile_queries) {
+      const int64_t count = std::min(tile_queries, q_end - first_query);
+      const int64_t last_pos = len - (q_end - first_query) + count - 1;
+      const int64_t first_key = window ? std::max<int64_t>(0, last_pos - count + 1 - window + 1) : 0;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh)
+        tiles.push_back({b, first_query, count, kvh, count * (last_pos + 1 - first_key)});
+    }
+  }
+  // Costliest tiles first, handed out one at a time: a causal prompt's late tiles see the most keys, so
+  // static halves would leave one core idle while the other does its tail.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const PrefillTile& x, const PrefillTile& y) { return x.cost > y.cost; });
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t row = KVH * D, block_stride = bs * row;
+  const float fscale = static_cast<float>(scale);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  std::atomic<int64_t> next_tile{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    // Per worker: the tile's scaled queries transposed (D x width), scores then probabilities (bs x width),
+    // the output accumulator transposed (D x width), and per query row its softmax state and position range.
+    std::vector<float> q_t(D * width), probs(bs * width), acc_t(D * width);
+    std::vector<float> m(width), l(width), block_max(width), correction(width);
+    std::vector<int32_t> pos(width), first_visible(width);
+    for (int64_t idx; (idx = next_tile.fetch_add(1)) < num_tiles;) {
+      const PrefillTile& tile = tiles[idx];
+      const int64_t b = tile.seq, kvh = tile.kv_head, len = lp[b];
+      const int64_t rows = tile.num_queries * group;
+      const int64_t first_pos = len - (qsl[b + 1] - tile.first_query);
+      const float* q_tile = qp + (tile.first_query * H + kvh * group) * D;
+      // Row r is query r / group, head r % group; padding rows copy the last query's position, with zero q.
+      for (int64_t r = 0; r < width; ++r) {
+        if (r < rows) {
+          const float* src = q_tile + (r / group) * H * D + (r % group) * D;
+          for (int64_t d = 0; d < D; ++d) q_t[d * width + r] = src[d] * fscale;
+        } else {
+          for (int64_t d = 0; d < D; ++d) q_t[d * width + r] = 0.f;
+        }
+        pos[r] = static_cast<int32_t>(first_pos + (r < rows ? r / group : tile.num_queries - 1));
+        first_visible[r] = window ? pos[r] - static_cast<int32_t>(window) + 1 : 0;
+      }
+      std::fill(m.begin(), m.end(), kMasked);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc_t.begin(), acc_t.end(), 0.f);
+      const int64_t key_begin = std::max<int64_t>(0, first_visible[0]), key_end = pos[width - 1] + 1;
+      // Only the blocks some query of the tile sees: from the first row's window start to the last row.
+      for (int64_t start = key_begin - key_begin % bs; start < key_end; start += bs) {
+        const int64_t block = tp[b * table_width + start / bs];
+        const int64_t lo = std::max(start, key_begin), hi = std::min(start + bs, key_end), n = hi - lo;
+        const float* kb = kp + block * block_stride + (lo - start) * row + kvh * D;
+        const float* vb = vp + block * block_stride + (lo - start) * row + kvh * D;
+        // scores[t][r] = q_r . k_t (scaled)
+        product<false>(kb, row, 1, q_t.data(), width, D, probs.data(), width, n, width, nullptr);
+        // Mask only blocks not wholly visible to every row (the diagonal, the window's edge).
+        if (hi - 1 > pos[0] || lo < first_visible[width - 1]) {
+          for (int64_t t = 0; t < n; ++t) {
+            const int32_t key = static_cast<int32_t>(lo + t);
+            float* s = probs.data() + t * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; ++r) s[r] = key <= pos[r] && key >= first_visible[r] ? s[r] : kMasked;
+          }
+        }
+        std::fill(block_max.begin(), block_max.end(), kMasked);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* s = probs.data() + t * width;
+#pragma omp simd
+          for (int64_t r = 0; r < width; ++r) block_max[r] = std::max(block_max[r], s[r]);
+        }
+        // Online softmax: rescale what was accumulated to the new running maximum, once per block.
+#pragma omp simd
+        for (int64_t r = 0; r < width; ++r) {
+          const float m_new = std::max(m[r], block_max[r]);
+          correction[r] = exp_approx(m[r] - m_new);
+          l[r] *= correction[r];
+          m[r] = m_new;
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          float* s = probs.data() + t * width;
+#pragma omp simd
+          for (int64_t r = 0; r < width; ++r) {
+            const float p = s[r] == kMasked ? 0.f : exp_approx(s[r] - m[r]);
+            s[r] = p;
+            l[r] += p;
+          }
+        }
+        // acc_t[d][r] = acc_t[d][r] * correction[r] + sum_t v_t[d] p[t][r]
+        product<true>(vb, 1, row, probs.data(), width, n, acc_t.data(), width, D, width, correction.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = op + ((tile.first_query + r / group) * H + kvh * group + r % group) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; ++d) o[d] = acc_t[d * width + r] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+// The decode kernel as a dispatcher op too (torch.ops.minipd_cpu.paged_decode): a compiled graph calls
+// it directly, with no Python between the graph and the kernel.
+TORCH_LIBRARY(minipd_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int window, Tensor k_new, Tensor v_new) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(minipd_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
