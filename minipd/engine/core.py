@@ -19,7 +19,6 @@ parts for a real model and fills its hooks.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ import torch
 from minipd.engine.config import EngineConfig
 from minipd.engine.eviction import Evictor
 from minipd.engine.model_runner import ModelRunner
+from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
 from minipd.engine.request import Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.step_core import StepCore
@@ -40,7 +40,6 @@ from minipd.kv.block_manager import BlockAllocation, BlockManager
 from minipd.kv.paged_pool import PackedKV, PagedKVPool
 from minipd.kv.press import AttentionTracker, make_press
 from minipd.kv.spec import KVSpec
-from minipd.layers.moe import MoE
 from minipd.models.decoder import DecoderModel
 from minipd.models.view import module_view
 
@@ -73,7 +72,8 @@ class EngineCore(StepCore):
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.kernels = get_backend(config.kernel_backend, self.device)
-        self._set_moe_backend(model, config.moe_backend)
+        #: The model's mixture-of-experts layers, set to the config's backend and settings.
+        self.moe_layers = set_moe_layers(model, config)
         #: Threads a big CPU step gets under ``cpu_threads="auto"`` (torch's count when the engine was built).
         self.default_threads = torch.get_num_threads()
         #: The per-step thread count, held across the steps of a run and given back when it ends.
@@ -82,16 +82,10 @@ class EngineCore(StepCore):
         #: machine by ``build-kernels``, else the default.
         measured = measured_choice("small_step_tokens", self.default_threads) if self.device.type == "cpu" else None
         self.small_step_tokens = measured if isinstance(measured, int) and measured >= 0 else SMALL_STEP_TOKENS
-        from minipd.kernels.int8_linear import Int8Linear, quantize_linears
-
-        if any(isinstance(m, Int8Linear) for m in model.modules()):
-            if config.weight_dtype != "int8":  # its float weights are gone: say so rather than run int8 silently
-                raise ValueError("this model's linears were quantized to int8 (weight_dtype='int8' by another "
-                                 "engine): pass weight_dtype='int8', or load the model again for float weights")
-        elif config.weight_dtype == "int8":
-            quantize_linears(model)
-        #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`).
-        self.linear_backend = self._set_linear_backend(model, config.linear_backend)
+        set_weight_dtype(model, config.weight_dtype)
+        #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`),
+        #: and why (shown by describe()).
+        self.linear_backend, self.linear_backend_reason = set_linear_backend(model, config.linear_backend)
         adaptive = config.kv_cache_dtype == "adaptive"
         self.kv_spec = KVSpec.from_name(model.config, config.block_size, "auto" if adaptive else config.kv_cache_dtype,
                                         self.dtype)
@@ -159,46 +153,6 @@ class EngineCore(StepCore):
                                                                    self.small_step_tokens)
                              if cpu else None)
         return compiled
-
-    def _set_moe_backend(self, model: DecoderModel, backend: str) -> None:
-        """Point every MoE layer of ``model`` at ``backend`` (checked to run on this device), and give it the
-        capacity and routing-record settings of the config."""
-        if backend == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("moe_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before triton is "
-                             "imported to run it (slowly) on the CPU")
-        self.moe_layers = [m for m in model.modules() if isinstance(m, MoE)]
-        for module in self.moe_layers:
-            module.experts.implementation = backend  # type: ignore[assignment]
-            module.routing_log = [] if self.config.record_routing else None
-            module.capacity_factor = self.config.moe_capacity_factor
-            module.overflow = self.config.moe_overflow
-            cfg = self.config
-            module.router.weight_format = None if cfg.router_dtype == "auto" else cfg.router_dtype
-            module.dispatch_format = None if cfg.moe_dispatch_dtype == "auto" else cfg.moe_dispatch_dtype
-
-    def _set_linear_backend(self, model: DecoderModel, backend: str) -> str:
-        """Pack the linears for oneDNN when asked, or by default for fp32 on a CPU that has it."""
-        from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
-
-        unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
-        #: Why the linears take the path they take (shown by describe()).
-        self.linear_backend_reason = "asked for"
-        if backend == "auto":
-            packable = self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available()
-            measured = measured_choice("linear_backend") if packable else None
-            if measured in ("torch", "onednn"):
-                backend, self.linear_backend_reason = measured, "measured on this machine (build-kernels)"
-            else:
-                backend = "onednn" if packable else "torch"
-                self.linear_backend_reason = ("not measured on this machine (python -m minipd build-kernels "
-                                              "measures it): oneDNN where it packs") if packable else \
-                    "oneDNN packs fp32 weights on a CPU only"
-        if backend == "onednn":
-            if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
-                                 f"{self.dtype} on {self.device.type}: use linear_backend='torch' or 'auto'")
-            pack_linears(model)
-        return backend
 
     def describe(self) -> dict:
         """What this engine actually runs with (after "auto" choices and fallbacks): kernels, linears, KV

@@ -1,0 +1,72 @@
+"""What an engine does to its view of the model before it runs it: MoE settings, int8 weights, packed linears.
+
+Each engine works on its own view of the model (:func:`minipd.models.view.module_view`: same weight
+tensors, its own modules), so what these change stays the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minipd.engine.config import EngineConfig
+from minipd.layers.moe import MoE
+from minipd.models.decoder import DecoderModel
+
+
+def set_moe_layers(model: DecoderModel, config: EngineConfig) -> list[MoE]:
+    """Point every MoE layer of ``model`` at ``config.moe_backend`` (checked to run on the model's device), give
+    them the config's capacity, routing-record and format settings; returns the layers."""
+    device = model.embed_tokens.weight.device
+    if config.moe_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("moe_backend='triton' needs a CUDA device, or TRITON_INTERPRET=1 set before triton is "
+                         "imported to run it (slowly) on the CPU")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for module in layers:
+        module.experts.implementation = config.moe_backend  # type: ignore[assignment]
+        module.routing_log = [] if config.record_routing else None
+        module.capacity_factor = config.moe_capacity_factor
+        module.overflow = config.moe_overflow
+        module.router.weight_format = None if config.router_dtype == "auto" else config.router_dtype
+        module.dispatch_format = None if config.moe_dispatch_dtype == "auto" else config.moe_dispatch_dtype
+    return layers
+
+
+def set_weight_dtype(model: DecoderModel, weight_dtype: str) -> None:
+    """Quantize the linears to int8 (``weight_dtype="int8"``); refuse float weights that are gone already."""
+    from minipd.kernels.int8_linear import Int8Linear, quantize_linears
+
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        if weight_dtype != "int8":  # its float weights are gone: say so rather than run int8 silently
+            raise ValueError("this model's linears were quantized to int8 (weight_dtype='int8' by another "
+                             "engine): pass weight_dtype='int8', or load the model again for float weights")
+    elif weight_dtype == "int8":
+        quantize_linears(model)
+
+
+def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
+    """Pack the linears for oneDNN when asked, or under "auto" when measured faster on this machine (or, not
+    measured, for fp32 on a CPU that has it); returns the backend and why it was chosen."""
+    from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
+    from minipd.kernels.measured import measured_choice
+
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
+    reason = "asked for"
+    if backend == "auto":
+        packable = device.type == "cpu" and dtype == torch.float32 and onednn_available()
+        measured = measured_choice("linear_backend") if packable else None
+        if measured in ("torch", "onednn"):
+            backend, reason = measured, "measured on this machine (build-kernels)"
+        elif packable:
+            backend, reason = "onednn", ("not measured on this machine (python -m minipd build-kernels measures it): "
+                                         "oneDNN where it packs")
+        else:
+            backend, reason = "torch", "oneDNN packs fp32 weights on a CPU only"
+    if backend == "onednn":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
+                             f"{dtype} on {device.type}: use linear_backend='torch' or 'auto'")
+        pack_linears(model)
+    return backend, reason
