@@ -200,8 +200,8 @@ def test_the_core_process_exits_when_its_parent_is_killed(tmp_path):
 @pytest.mark.parametrize("where", ["thread", "process"])
 def test_the_shared_front_end_drives_a_core_in_a_thread_or_a_process(llm, where):
     """One front end for every core: FrontEnd over RemoteCore gives LLM.generate's outputs, and aborts reach it."""
-    from minipd.engine.core_client import RemoteCore
     from minipd.engine.front_end import FrontEnd
+    from minipd.engine.remote_core import RemoteCore
 
     params = params_list()
     expected = [(o.token_ids, o.text) for o in llm.generate(PROMPTS, params)]
