@@ -244,13 +244,13 @@ def test_two_engines_on_one_model_keep_their_own_linears():
 
 
 def test_auto_linears_follow_what_was_measured_on_this_machine(tmp_path, monkeypatch):
-    from minipd.kernels.measured import SHAPES, machine_key, measure_linear_backend, measured_choice, save_choice
+    from minipd.kernels.measured import machine_key, measure_linear_backend, measured_choice, save_choice
 
     monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
-    record = measure_linear_backend(rounds=1, budget_s=0.001)
+    record = measure_linear_backend(rounds=1, cases=((1, 8), (4, 16)))
     assert record["choice"] in ("torch", "onednn")
     if onednn_available():
-        assert len(record["cases"]) == len(SHAPES) * 4 and (record["ratio"] < 0.95) == (record["choice"] == "onednn")
+        assert set(record["cases"]) == {"1x8", "4x16"} and (record["ratio"] < 0.95) == (record["choice"] == "onednn")
     assert measured_choice("linear_backend") is None
     assert "not measured" in LLM("tiny-py", num_kv_blocks=16).describe()["linear_backend_reason"] or \
         not onednn_available()
@@ -268,9 +268,8 @@ def test_the_one_thread_step_size_follows_what_was_measured(tmp_path, monkeypatc
     from minipd.kernels.measured import measure_small_step_tokens, save_choice
 
     monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
-    record = measure_small_step_tokens(threads=2, rounds=1, budget_s=0.001)
-    assert record["choice"] in (0, 1, 2, 4, 8, 16, 32, 64) and set(record["one_thread_vs_all"]) == {1, 2, 4, 8, 16,
-                                                                                                     32, 64}
+    record = measure_small_step_tokens(threads=2, rounds=1, sizes=(1, 4))
+    assert record["choice"] in (0, 1, 4) and set(record["one_thread_vs_all"]) == {1, 4}
     assert LLM("tiny-py", num_kv_blocks=16).engine.core.small_step_tokens == SMALL_STEP_TOKENS  # not measured
     save_choice("small_step_tokens", {**record, "choice": 16})
     llm = LLM("tiny-py", num_kv_blocks=16)
