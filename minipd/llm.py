@@ -17,7 +17,8 @@ import torch
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
 from minipd.engine.engine import Engine
-from minipd.engine.factory import build_core, eos_token_ids
+from minipd.engine.factory import build_core
+from minipd.engine.front_end import eos_token_ids
 from minipd.engine.inputs import check_llm_args
 from minipd.llm_base import LLMBase
 from minipd.tokenizer import Tokenizer
@@ -60,7 +61,8 @@ class LLM(LLMBase):
         if self.expert_parallel is not None:
             # Stop the ranks when this LLM is collected or the interpreter exits, if close() was not called.
             self._finalizer = weakref.finalize(self, self.expert_parallel.close)
-        self.engine = Engine.from_core(built.core, self.tokenizer, eos_token_ids(built.core, self.tokenizer), seed)
+        eos = eos_token_ids(built.model.config, self.tokenizer)
+        self.engine = Engine.from_core(built.core, self.tokenizer, eos, seed)
         #: The model as this LLM's engine runs it (its own view of the loaded weights: packed or quantized
         #: linears, MoE settings); swap a part here and generate() uses it.
         self.model = self.engine.core.model

@@ -321,13 +321,14 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
 
     built = None
     try:
-        from minipd.engine.factory import build_core, eos_token_ids
+        from minipd.engine.factory import build_core
+        from minipd.engine.front_end import eos_token_ids
         from minipd.tokenizer import Tokenizer
 
         built = build_core(model, **llm_options)
         core = built.core
         send(CoreReady(os.getpid(), core.kv_spec.to_dict(), core.block_manager.num_blocks, core.max_model_len,
-                       sorted(eos_token_ids(core, Tokenizer(built.model_path)))))
+                       sorted(eos_token_ids(built.model.config, Tokenizer(built.model_path)))))
         run_core_loop(core, receive, send)
     except (SystemExit, EngineDeadError):
         pass  # the parent is gone: nobody to tell

@@ -78,12 +78,4 @@ def build_core(model: str | os.PathLike, *, device: str | torch.device | None = 
     return BuiltCore(core, loaded, path, ranks)
 
 
-def eos_token_ids(core: EngineCore, tokenizer: Any) -> frozenset[int]:
-    """The tokens that end a request: the model config's and the tokenizer's."""
-    eos = set(core.model.config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return frozenset(eos)
-
-
-__all__ = ["BuiltCore", "build_core", "eos_token_ids"]
+__all__ = ["BuiltCore", "build_core"]

@@ -27,6 +27,14 @@ from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import Tokenizer
 
 
+def eos_token_ids(model_config: Any, tokenizer: Tokenizer) -> frozenset[int]:
+    """The tokens that end a request (unless ``ignore_eos``): the model config's and the tokenizer's."""
+    eos = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
 class CoreProtocol(Protocol):
     """What a front end needs of an engine core (colocated, behind a client, or a cluster of workers)."""
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from minipd.config import ModelConfig
 from minipd.engine.config import EngineConfig
-from minipd.engine.front_end import FrontEnd
+from minipd.engine.front_end import FrontEnd, eos_token_ids
 from minipd.engine.output_processor import OutputProcessor
 from minipd.errors import ParameterError
 from minipd.kv.quant import PER_TOKEN_FORMATS
@@ -149,10 +149,7 @@ class DisaggregatedLLM(LLMBase):
         self.config = ModelConfig.from_pretrained(folder)
         self.tokenizer = Tokenizer(folder)
         self.max_model_len = llm_options.get("max_model_len") or self.config.max_position_embeddings
-        eos = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.block_size = llm_options.get("block_size", EngineConfig.block_size)
         self._lock = threading.RLock()
         # At exit, shut down whatever is still running; through a weak reference, so that dropping the
