@@ -41,8 +41,9 @@ class LLM(LLMBase):
         **engine_options: :class:`~minipd.engine.config.EngineConfig` fields — ``block_size``,
             ``num_kv_blocks``, ``kv_cache_memory``, ``max_num_batched_tokens``, ``max_num_seqs``,
             ``enable_prefix_caching``, ``scheduling_policy``, ``kernel_backend``, ``kv_cache_dtype``,
-            ``stats_history``; ``expert_parallel_size=N`` spreads a mixture-of-experts model's experts over N
-            processes (call :meth:`close`, or use the ``LLM`` as a context manager, to stop them early).
+            ``stats_history``…, flat or by group (``cache={"block_size": 32}``); ``expert_parallel_size=N``
+            spreads a mixture-of-experts model's experts over N processes (call :meth:`close`, or use the
+            ``LLM`` as a context manager, to stop them early). ``repr(llm)`` says what the engine runs with.
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, device: str | torch.device | None = None,

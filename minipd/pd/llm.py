@@ -86,7 +86,9 @@ class DisaggregatedLLM(LLMBase):
             Workers on other machines need the same secret. Spawned workers get a fresh random key instead.
         heartbeat_timeout: a worker silent this long is taken for dead and fenced (it reports at least
             every second while idle; a step longer than this looks like a death).
-        **llm_options: passed to each worker's ``LLM`` (``max_model_len``, ``device``, engine options).
+        **llm_options: each worker's engine options, as ``LLM`` takes them (``max_model_len``, ``device``, and
+            :class:`~minipd.engine.config.EngineConfig` fields, flat or by group); each worker builds its core with
+            :func:`~minipd.engine.factory.build_core`.
     """
 
     def __init__(self, model: str | os.PathLike = "tiny-py", *, num_prefill_workers: int = 1,
