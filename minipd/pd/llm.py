@@ -263,11 +263,11 @@ class DisaggregatedLLM(LLMBase):
         """Take what the workers sent (waiting up to ``timeout``); return the deltas it produced."""
         self._check_open()
         with self._lock:
-            self.core.step_timeout = timeout
+            previous, self.core.step_timeout = self.core.step_timeout, timeout
             try:
                 return self.engine.step()
             finally:
-                self.core.step_timeout = 0.05
+                self.core.step_timeout = previous  # (an AsyncLLM over this cluster set its own)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is in flight."""
