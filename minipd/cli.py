@@ -32,7 +32,8 @@ def _info(_: argparse.Namespace) -> int:
     import torch
 
     import minipd
-    from minipd.device import default_device, default_dtype, kernel_backends
+    from minipd.device import default_device, default_dtype
+    from minipd.kernels.backend import kernel_backends
     from minipd.models.registry import BUNDLED_MODELS, bundled_models_dir
 
     device = default_device()
@@ -60,7 +61,8 @@ def _build_kernels(_: argparse.Namespace) -> int:
         print("built: kernel_backend='cpu' is now the default on this machine's CPU")
     import torch
 
-    from minipd.kernels.measured import measure_linear_backend, save_choice
+    from minipd.engine.measure import measure_linear_backend
+    from minipd.kernels.measured import save_choice
 
     threads = torch.get_num_threads()
     for count in sorted({1, threads}):  # (one thread: what a disaggregated worker runs on by default)
@@ -74,7 +76,7 @@ def _build_kernels(_: argparse.Namespace) -> int:
               f"kept in {path})")
     torch.set_num_threads(threads)
     if threads > 1:
-        from minipd.kernels.measured import measure_small_step_tokens
+        from minipd.engine.measure import measure_small_step_tokens
 
         print(f"timing small steps on 1 thread against {threads}...", flush=True)
         record = measure_small_step_tokens(threads)
@@ -100,13 +102,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _kvquality(args: argparse.Namespace) -> int:
-    from minipd.kv.quality import main as quality_main
+    from minipd.evaluation.kv_quality import main as quality_main
 
     return quality_main(args.quality_args)
 
 
 def _moebalance(args: argparse.Namespace) -> int:
-    from minipd.moe.balance import main as balance_main
+    from minipd.evaluation.moe_balance import main as balance_main
 
     return balance_main(args.balance_args)
 

@@ -1,8 +1,6 @@
-"""Which device and dtype minipd runs on, and which kernel backends are available there."""
+"""Which device and dtype minipd runs on (the kernel backends available there: :mod:`minipd.kernels.backend`)."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 
@@ -84,19 +82,3 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
     allowed = ", ".join(["'auto'", *(repr(n) for n in DTYPE_NAMES), "torch.float32", "torch.float16",
                          "torch.bfloat16"])
     raise ParameterError("dtype", f"dtype must be None or one of {allowed}; got {dtype!r}")
-
-
-def kernel_backends() -> dict[str, str]:
-    """Each kernel backend and whether it can run here, in words."""
-    backends = {"torch": "available (scaled_dot_product_attention)"}
-    if importlib.util.find_spec("triton") is None:
-        backends["triton"] = "not installed"
-    elif torch.cuda.is_available():
-        backends["triton"] = "available (compiled for CUDA)"
-    else:
-        backends["triton"] = "installed; runs on CPU only under TRITON_INTERPRET=1"
-    from minipd.kernels.cpu_paged_attention import kernel_built
-
-    backends["cpu"] = ("built (C++ paged decode; the CPU default)" if kernel_built()
-                       else "not built yet: `python -m minipd build-kernels` (a C++ compiler and ninja)")
-    return backends

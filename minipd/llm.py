@@ -24,7 +24,7 @@ from minipd.llm_base import LLMBase
 from minipd.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from minipd.moe.ranks import ExpertParallelRanks
+    from minipd.engine.expert_ranks import ExpertParallelRanks
 
 logger = logging.getLogger("minipd")
 

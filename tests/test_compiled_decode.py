@@ -183,7 +183,7 @@ def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backe
 
 
 def test_compile_decode_with_expert_parallelism_is_refused_before_any_rank_starts(monkeypatch):
-    import minipd.moe.ranks as ranks
+    import minipd.engine.expert_ranks as ranks
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("an expert-parallel rank was started")

@@ -201,8 +201,8 @@ def test_int8_linear_is_the_dequantized_product_in_bf16():
 
 
 def test_int8_weights_in_the_engine_and_in_the_quality_table():
+    from minipd.evaluation.kv_quality import method_options
     from minipd.kernels.int8_linear import Int8Linear
-    from minipd.kv.quality import method_options
 
     llm = LLM("tiny-py", weight_dtype="int8")
     assert sum(isinstance(m, Int8Linear) for m in llm.model.modules()) == 25
@@ -244,7 +244,8 @@ def test_two_engines_on_one_model_keep_their_own_linears():
 
 
 def test_auto_linears_follow_what_was_measured_on_this_machine(tmp_path, monkeypatch):
-    from minipd.kernels.measured import machine_key, measure_linear_backend, measured_choice, save_choice
+    from minipd.engine.measure import measure_linear_backend
+    from minipd.kernels.measured import machine_key, measured_choice, save_choice
 
     monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
     record = measure_linear_backend(rounds=1, cases=((1, 8), (4, 16)))
@@ -265,7 +266,8 @@ def test_auto_linears_follow_what_was_measured_on_this_machine(tmp_path, monkeyp
 
 
 def test_the_one_thread_step_size_follows_what_was_measured(tmp_path, monkeypatch):
-    from minipd.kernels.measured import measure_small_step_tokens, save_choice
+    from minipd.engine.measure import measure_small_step_tokens
+    from minipd.kernels.measured import save_choice
 
     monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
     record = measure_small_step_tokens(threads=2, rounds=1, sizes=(1, 4))

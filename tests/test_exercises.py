@@ -18,7 +18,7 @@ from minipd.exercises.checking import Case, CheckResult, check_tensor_fn, compar
 from minipd.layers.attention import attention
 from minipd.layers.rotary import apply_rotary
 
-attention_module = importlib.import_module("minipd.layers.attention")
+attention_module = importlib.import_module("minipd.kernels.attention")
 ORIGINAL_MASK = attention_module.causal_mask
 
 

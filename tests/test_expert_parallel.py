@@ -22,6 +22,7 @@ import torch.distributed as dist
 from helpers import assert_child_exits_with_its_parent
 
 from minipd import LLM, SamplingParams
+from minipd.engine.expert_ranks import moe_layers_of
 from minipd.layers.moe import MoE
 from minipd.moe.dispatch import LocalDispatcher
 from minipd.moe.expert_parallel import (
@@ -33,7 +34,6 @@ from minipd.moe.expert_parallel import (
     loopback_store,
     shard_experts,
 )
-from minipd.moe.ranks import moe_layers_of
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 2
 
@@ -303,7 +303,7 @@ def test_moe_prefill_and_decode_workers_each_with_their_own_expert_ranks(referen
         got = [o.token_ids for o in pd.generate(PROMPTS[:2], GREEDY)]
     assert got == reference[:2]
     deadline = time.monotonic() + 20  # the workers' ranks see their rank 0 go and exit
-    while (leftovers := subprocess.run(["pgrep", "-f", "minipd.moe.ranks"], capture_output=True,
+    while (leftovers := subprocess.run(["pgrep", "-f", "minipd.engine.expert_ranks"], capture_output=True,
                                        text=True).stdout.split()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not leftovers, f"expert-parallel ranks left running: {leftovers}"

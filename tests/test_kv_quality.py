@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minipd import LLM
-from minipd.kv.quality import copy_probe, format_table, measure, next_token_logprobs, windows
+from minipd.evaluation.kv_quality import copy_probe, format_table, measure, next_token_logprobs, windows
 from minipd.models import bundled_models_dir
 
 
@@ -61,7 +61,7 @@ def test_the_cli_prints_the_table_and_refuses_bad_input():
 
 
 def test_method_names_choose_the_granularity_and_bad_ones_are_named():
-    from minipd.kv.quality import method_options
+    from minipd.evaluation.kv_quality import method_options
 
     assert method_options("int8+snapkv:64@token") == {"kv_cache_dtype": "int8", "kv_eviction": "snapkv",
                                                        "kv_budget": 64, "max_num_batched_tokens": 1,

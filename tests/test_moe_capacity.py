@@ -103,7 +103,7 @@ def test_capacity_evens_out_the_engines_load_and_bad_options_are_named():
 
 
 def test_load_reports_read_imbalance_both_ways():
-    from minipd.moe.balance import LoadReport
+    from minipd.evaluation.moe_balance import LoadReport
 
     report = LoadReport(torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0]]))
     assert report.max_over_mean == [1.0, 4.0]
@@ -116,7 +116,7 @@ def test_moebalance_measures_the_bundled_model_and_prices_capacity():
     import subprocess
     import sys
 
-    from minipd.moe.balance import measure_load
+    from minipd.evaluation.moe_balance import measure_load
 
     load = measure_load("tiny-py-moe", num_windows=1)
     assert load.counts.shape == (4, 8) and bool((load.counts.sum(dim=1) == 256 * 2).all())
@@ -138,7 +138,7 @@ def test_moebalance_measures_the_bundled_model_and_prices_capacity():
 
 def test_quantized_gates_keep_most_top_k_sets_and_dispatch_bytes_shrink():
     from minipd import LLM, SamplingParams
-    from minipd.moe.balance import dispatch_bytes_per_token, routing_agreement
+    from minipd.evaluation.moe_balance import dispatch_bytes_per_token, routing_agreement
 
     int8, int4 = (routing_agreement("tiny-py-moe", fmt, num_windows=1) for fmt in ("int8", "int4"))
     assert routing_agreement("tiny-py-moe", None, num_windows=1) == 1.0

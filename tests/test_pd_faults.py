@@ -71,8 +71,8 @@ def test_an_expert_parallel_rank_dying_under_a_worker_is_recovered_inside_genera
             assert time.monotonic() < deadline, "requests not finished in 120 s"
             received += len(pd.step())
             if not killed and received >= 20:
-                ranks = subprocess.run(["pgrep", "-P", str(decoder), "-f", "minipd.moe.ranks"], capture_output=True,
-                                       text=True).stdout.split()
+                ranks = subprocess.run(["pgrep", "-P", str(decoder), "-f", "minipd.engine.expert_ranks"],
+                                       capture_output=True, text=True).stdout.split()
                 assert ranks, "the decode worker has no expert-parallel rank"
                 os.kill(int(ranks[0]), signal.SIGKILL)
                 killed = True

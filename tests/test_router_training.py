@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from minipd.moe.router_training import finetune_routers, plot_balancing
+from minipd.evaluation.router_training import finetune_routers, plot_balancing
 
 
 @pytest.fixture(scope="module")

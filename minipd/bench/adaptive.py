@@ -42,7 +42,7 @@ class LoadResult:
 
 def burst(tokenizer, num_requests: int, prompt_len: int = 96) -> list[list[int]]:
     """``num_requests`` distinct code prompts of ``prompt_len`` tokens from the bundled text."""
-    from minipd.kv.quality import heldout_text
+    from minipd.evaluation.kv_quality import heldout_text
 
     ids = tokenizer.encode(heldout_text())
     stride = max(1, (len(ids) - prompt_len) // max(1, num_requests))

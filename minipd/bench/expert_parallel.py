@@ -78,7 +78,7 @@ def hidden_fraction(results: dict[str, list[Round]]) -> float:
 
 def wire_table(parallel: LLM, max_tokens: int = 16) -> list[dict[str, float | str]]:
     """Per wire format of the dispatched rows: bytes per row and in all each way, greedy agreement."""
-    from minipd.moe.ranks import moe_layers_of
+    from minipd.engine.expert_ranks import moe_layers_of
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     layers = moe_layers_of(parallel.model)

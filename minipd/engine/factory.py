@@ -24,7 +24,7 @@ from minipd.models.decoder import DecoderModel
 from minipd.models.loading import load_model
 
 if TYPE_CHECKING:
-    from minipd.moe.ranks import ExpertParallelRanks
+    from minipd.engine.expert_ranks import ExpertParallelRanks
 
 
 @dataclass
@@ -63,7 +63,7 @@ def build_core(model: str | os.PathLike, *, device: str | torch.device | None = 
                              f"max_model_len must be in [2, {context}] for this model, got {max_model_len}")
     ranks = None
     if engine_config.expert_parallel_size > 1:
-        from minipd.moe.ranks import start_ranks
+        from minipd.engine.expert_ranks import start_ranks
 
         ranks = start_ranks(loaded, path, engine_config.expert_parallel_size, moe_backend=engine_config.moe_backend,
                             timeout=engine_config.expert_parallel_timeout,

@@ -21,7 +21,7 @@ SMALL_STEP_TOKENS = 4
 def threads_for_step(setting: int | str, num_tokens: int, default: int, small: int = SMALL_STEP_TOKENS) -> int:
     """Threads for a step of ``num_tokens`` tokens under ``setting`` (``"auto"`` or a count): under "auto",
     one for steps of up to ``small`` tokens (measured on the machine by ``python -m minipd build-kernels``
-    when it was run, see :func:`minipd.kernels.measured.measure_small_step_tokens`), else ``default``."""
+    when it was run, see :func:`minipd.engine.measure.measure_small_step_tokens`), else ``default``."""
     if setting == "auto":
         return 1 if num_tokens <= small else default
     return int(setting)

@@ -17,7 +17,7 @@ prompts: the logits and the generated tokens must be the engine's own.
   (prefill whole or in chunks, then decode); its tokens must be those of ``LLM.generate``.
 
 Plugging in swaps a module attribute (``minipd.models.decoder.apply_rotary``,
-``minipd.layers.attention.causal_mask``, ``minipd.layers.sampler.top_k_top_p_filter``) inside a
+``minipd.kernels.attention.causal_mask``, ``minipd.layers.sampler.top_k_top_p_filter``) inside a
 context manager that always puts it back, even when the reader's code raises; every checker builds
 its own ``LLM``, so the reader's ``llm`` is untouched.
 """
@@ -45,19 +45,19 @@ from minipd.exercises.checking import (
     tensor_mismatch,
     todo,
 )
+from minipd.kernels.attention import causal_mask as _causal_mask
 from minipd.kernels.backend import TORCH_BACKEND
 from minipd.kernels.paged_attention import gather_kv
 from minipd.kv.contiguous import ContiguousKVCache
 from minipd.layers.attention import attention as _attention
-from minipd.layers.attention import causal_mask as _causal_mask
 from minipd.layers.rotary import RotaryEmbedding, apply_rotary, deinterleave
 from minipd.layers.sampler import top_k_top_p_filter as _top_k_top_p_filter
 from minipd.llm import LLM
 from minipd.models.decoder import DecoderModel
 from minipd.sampling_params import SamplingParams
 
-# ``import minipd.layers.attention as ...`` would give the function the package re-exports under that name.
-attention_module = importlib.import_module("minipd.layers.attention")
+# (By module name: ``import minipd.layers.attention as ...`` would give the function the package re-exports.)
+attention_module = importlib.import_module("minipd.kernels.attention")
 
 __all__ = [
     "ENGINE_PROMPTS",
@@ -477,7 +477,7 @@ def _decode_through_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 #: The torch kernels, except that decode goes through ``attention`` too: every mask the engine uses is
-#: then the one ``minipd.layers.attention.causal_mask`` names (prefill's already is).
+#: then the one ``minipd.kernels.attention.causal_mask`` names (prefill's already is).
 MASKED_BACKEND = dataclasses.replace(TORCH_BACKEND, name="torch-masked",
                                      paged_decode_attention=_decode_through_attention)
 
@@ -498,7 +498,7 @@ def _check_mask_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
 def check_sliding_window_mask(fn: Callable[[int, int, int], torch.Tensor]) -> CheckResult:
     """Check ``fn(num_queries, num_keys, window) -> bool (num_queries, num_keys)``, then run ``tiny-py`` with it.
 
-    First against :func:`minipd.layers.attention.causal_mask` on fixed shapes. Then a fresh ``tiny-py``
+    First against :func:`minipd.kernels.attention.causal_mask` on fixed shapes. Then a fresh ``tiny-py``
     gets a 6-token window on every layer and ``fn`` becomes the mask of every attention it computes
     (prefill and decode): the logits of a 22-token prompt (within 1e-4) and a greedy run (three
     prompts, 16 tokens each) must be the engine's with its own mask.

@@ -6,6 +6,7 @@ refuses a ``block_size`` or cache dtype its kernels cannot take when it is built
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,3 +121,19 @@ def _cpu_backend(device: torch.device) -> KernelBackend:
         raise ValueError(f"kernel_backend='cpu' could not be built here ({why}); use kernel_backend='torch'")
     return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_cpu,
                          add_rms_norm_torch, _torch_limits)
+
+
+def kernel_backends() -> dict[str, str]:
+    """Each kernel backend and whether it can run here, in words."""
+    backends = {"torch": "available (scaled_dot_product_attention)"}
+    if importlib.util.find_spec("triton") is None:
+        backends["triton"] = "not installed"
+    elif torch.cuda.is_available():
+        backends["triton"] = "available (compiled for CUDA)"
+    else:
+        backends["triton"] = "installed; runs on CPU only under TRITON_INTERPRET=1"
+    from minipd.kernels.cpu_paged_attention import kernel_built
+
+    backends["cpu"] = ("built (C++ paged decode; the CPU default)" if kernel_built()
+                       else "not built yet: `python -m minipd build-kernels` (a C++ compiler and ninja)")
+    return backends

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minipd.kernels.attention import attention
 from minipd.kernels.paged_attention import gather_kv
-from minipd.layers.attention import attention
 
 
 @dataclass(frozen=True)

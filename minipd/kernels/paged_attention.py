@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from minipd.layers.attention import attention
+from minipd.kernels.attention import attention
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

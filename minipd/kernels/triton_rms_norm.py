@@ -3,7 +3,7 @@
 Unfused, the add writes ``x + residual`` to memory and the norm reads it straight back; fused,
 one program per row reads ``x`` and ``residual`` once and writes the new residual and the
 normalised row once, so the pair costs four row-sized memory passes instead of six. The
-statistics are taken in fp32, like :func:`minipd.layers.norm.rms_norm`.
+statistics are taken in fp32, like :func:`minipd.kernels.rms_norm.rms_norm`.
 
 On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this module and the same
 kernel runs, slowly, in the Triton interpreter on CPU tensors.

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from minipd.kernels.attention import attention
 from minipd.kernels.mla import LatentUpProjection, absorbed_latent_attention, expanded_latent_attention
 from minipd.kv.base import KVCache
-from minipd.layers.attention import attention
 
 __all__ = ["ContiguousKVCache", "KVCache"]
 

@@ -1,48 +1,13 @@
-"""Causal scaled-dot-product attention of new queries against all cached keys and values.
+"""The attention a layer calls: causal scaled-dot-product attention of new queries against all keys and
+values so far, with an optional sliding window.
 
-Layers call :func:`attention` directly when there is no cache, and otherwise hand q, k and v to
-the cache's ``attend``: a contiguous cache appends and calls :func:`attention`, the paged cache
-stores K/V into its blocks and runs the paged kernels of the chosen backend. Layers never look
-inside.
+Layers call :func:`attention` directly when there is no cache, and otherwise hand q, k and v to the
+cache's ``attend``: a contiguous cache appends and calls :func:`attention`, the paged cache stores K/V
+into its blocks and runs the paged kernels of the chosen backend. Layers never look inside. The
+function and its mask are the kernels' torch reference (:mod:`minipd.kernels.attention`), defined there
+so that kernels do not import from the layers above them.
 """
 
-from __future__ import annotations
+from minipd.kernels.attention import attention, causal_mask
 
-import torch
-import torch.nn.functional as F
-
-
-def causal_mask(num_queries: int, num_keys: int, sliding_window: int | None = None,
-                device: torch.device | None = None) -> torch.Tensor:
-    """Boolean (queries, keys) mask, True where a query may look.
-
-    The queries are the last ``num_queries`` of ``num_keys`` positions, so query ``i`` sits at
-    position ``num_keys - num_queries + i`` and sees every key at or before it (and, with a sliding
-    window, only the ``sliding_window`` most recent of those).
-    """
-    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-    k_pos = torch.arange(num_keys, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              sliding_window: int | None = None) -> torch.Tensor:
-    """Attend ``q`` (T, Hq, D) to ``k``, ``v`` (S, Hkv, D); the queries are the last T of S positions.
-
-    Grouped-query attention: each of the Hkv key/value heads serves Hq / Hkv query heads, which
-    ``enable_gqa`` handles without materialising repeated K/V. Returns (T, Hq, D).
-    """
-    num_queries, num_keys = q.shape[0], k.shape[0]
-    window_matters = sliding_window is not None and num_keys > sliding_window
-    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if num_queries == num_keys and not window_matters:
-        out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True)
-    elif num_queries == 1 and not window_matters:
-        out = F.scaled_dot_product_attention(q_, k_, v_, scale=scale, enable_gqa=True)
-    else:
-        mask = causal_mask(num_queries, num_keys, sliding_window, q.device)
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+__all__ = ["attention", "causal_mask"]

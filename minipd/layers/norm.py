@@ -7,25 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise the last dimension of ``x`` by its root mean square.
-
-    The statistics are taken in fp32 whatever the input dtype, as HF's Llama does, so bf16 runs
-    stay close to fp32 ones.
-    """
-    if x.dtype == torch.float32:  # the same arithmetic without two no-op casts (they cost on CPU)
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual = x + residual``, then ``(rms_norm(residual), residual)``: the pre-norm block's add and norm."""
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+from minipd.kernels.rms_norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,7 @@ it) are either
 - ``"reroute"``d to the token's next-best expert that still has room and that it has not chosen
   already (the article's "probability resampling"), with the weights recomputed by the router's rule.
 
-Either way the load evens out and the output drifts; :mod:`minipd.kv.quality`'s measures (perplexity,
+Either way the load evens out and the output drifts; :mod:`minipd.evaluation.kv_quality`'s measures (perplexity,
 KL) price the drift. Dropped slots are marked with expert id -1, which the local dispatcher skips.
 """
 

@@ -113,7 +113,7 @@ class SoftmaxRouter(Router):
         super().__init__(hidden_size, num_experts, top_k)
         self.renormalize = renormalize
         #: Added to the probabilities when choosing experts, not when weighting them (None: no bias); set by
-        #: loss-free load balancing (:mod:`minipd.moe.router_training`).
+        #: loss-free load balancing (:mod:`minipd.evaluation.router_training`).
         self.selection_bias: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

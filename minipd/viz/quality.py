@@ -1,6 +1,6 @@
 """A widget to pick a KV compression method and budget and watch the quality measures move.
 
-It runs :func:`minipd.kv.quality.measure` (one window, one greedy prompt, two copy probes: a few
+It runs :func:`minipd.evaluation.kv_quality.measure` (one window, one greedy prompt, two copy probes: a few
 seconds) whenever the choice changes. ipywidgets and matplotlib are imported inside the function.
 """
 
@@ -14,7 +14,7 @@ PRESS_METHODS = ("sink-window", "snapkv", "h2o", "knorm", "random")
 
 
 def method_name(method: str, budget: int, int8_on_top: bool) -> str:
-    """The :func:`~minipd.kv.quality.method_options` name for a menu choice: ``"int8"``, ``"snapkv:64"``,
+    """The :func:`~minipd.evaluation.kv_quality.method_options` name for a menu choice: ``"int8"``, ``"snapkv:64"``,
     ``"int8+snapkv:64"``."""
     if method in QUANT_METHODS:
         return method
@@ -28,7 +28,7 @@ def quality_explorer(model: str = "tiny-py", window: int = 256) -> Any:
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    from minipd.kv.quality import format_table, measure
+    from minipd.evaluation.kv_quality import format_table, measure
 
     method = widgets.Dropdown(options=[*QUANT_METHODS, *PRESS_METHODS], value="int8", description="method")
     budget = widgets.IntSlider(value=64, min=32, max=window - 16, step=16, description="budget",

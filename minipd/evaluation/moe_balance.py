@@ -7,7 +7,7 @@ sets the pace when every expert sits on its own device) and the coefficient of v
 :func:`format_placement_table` places the experts on devices from that load, with and without
 replicas of the hot ones (:mod:`minipd.moe.placement`). :func:`capacity_table` caps the load
 (:mod:`minipd.moe.capacity`) at a few factors, dropping or rerouting the overflow, and prices each
-setting with :mod:`minipd.kv.quality`'s measures against unconstrained routing: perplexity change,
+setting with :mod:`minipd.evaluation.kv_quality`'s measures against unconstrained routing: perplexity change,
 KL of next-token distributions, greedy agreement. :func:`quantized_routing_table` does the same for
 gates rounded to int8/int4 and dispatched rows rounded to int8/fp8, with the share of top-k sets a
 quantized gate keeps and the bytes a token's dispatch moves.
@@ -47,7 +47,7 @@ class LoadReport:
 def measure_load(model: str = "tiny-py-moe", window: int = 256, num_windows: int = 4, **options: Any) -> LoadReport:
     """Route ``num_windows`` held-out windows through ``model`` (engine ``options`` too) and count."""
     from minipd import LLM, SamplingParams
-    from minipd.kv.quality import windows
+    from minipd.evaluation.kv_quality import windows
 
     llm = LLM(model, record_routing=True, enable_prefix_caching=False, **options)
     total = None
@@ -72,7 +72,7 @@ CAPACITY_SETTINGS: dict[str, dict[str, Any]] = {
 def capacity_table(model: str = "tiny-py-moe", settings: dict[str, dict[str, Any]] | None = None,
                    num_windows: int = 4, progress: bool = True) -> list[tuple[str, Any, LoadReport]]:
     """For unconstrained routing (``"auto"``) and each capacity setting: the quality report and the load."""
-    from minipd.kv.quality import measure
+    from minipd.evaluation.kv_quality import measure
 
     settings = settings or CAPACITY_SETTINGS
     reports = measure(model, list(settings), num_windows=num_windows, greedy_prompts=2, greedy_tokens=64,
@@ -106,7 +106,7 @@ def routing_agreement(model: str, weight_format: str | None, window: int = 256, 
     """Share of (token, layer) top-k sets a quantized gate leaves unchanged, on the unquantized model's own
     hidden states (so upstream drift does not count twice)."""
     from minipd import LLM, SamplingParams
-    from minipd.kv.quality import windows
+    from minipd.evaluation.kv_quality import windows
 
     llm = LLM(model, enable_prefix_caching=False)
     layers = llm.engine.core.moe_layers
@@ -150,7 +150,7 @@ def dispatch_bytes_per_token(model: str, dispatch_dtype: str = "auto") -> int:
 def quantized_routing_table(model: str = "tiny-py-moe", settings: dict[str, dict[str, Any]] | None = None,
                             num_windows: int = 4, progress: bool = True) -> str:
     """Routing agreement, output drift (quality measures) and dispatch bytes per token, per setting."""
-    from minipd.kv.quality import measure
+    from minipd.evaluation.kv_quality import measure
 
     settings = settings or QUANTIZED_ROUTING
     reports = measure(model, list(settings), num_windows=num_windows, greedy_prompts=2, greedy_tokens=64,
@@ -211,7 +211,7 @@ def format_placement_table(load: LoadReport, num_devices: int = 4) -> str:
 
 
 def _train(model: str, steps: int, plot: str | None) -> int:
-    from minipd.moe.router_training import METHODS, finetune_routers, plot_balancing
+    from minipd.evaluation.router_training import METHODS, finetune_routers, plot_balancing
 
     runs = [finetune_routers(method, model, steps=steps) for method in METHODS]
     print(f"[moebalance --train] {model}, routers only, {steps} steps of 4 x 128 tokens of stdlib source")

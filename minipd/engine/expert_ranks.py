@@ -46,12 +46,12 @@ def moe_layers_of(model: torch.nn.Module) -> list[MoE]:
 
 
 class RankProcess:
-    """A spawned rank: ``python -m minipd.moe.ranks SETTINGS``, with the bits of the
+    """A spawned rank: ``python -m minipd.engine.expert_ranks SETTINGS``, with the bits of the
     ``multiprocessing.Process`` interface this module and its tests use."""
 
     def __init__(self, rank: int, settings: dict[str, Any]) -> None:
         self.rank = rank
-        self._popen = subprocess.Popen([sys.executable, "-m", "minipd.moe.ranks", json.dumps(settings)],
+        self._popen = subprocess.Popen([sys.executable, "-m", "minipd.engine.expert_ranks", json.dumps(settings)],
                                        stdin=subprocess.DEVNULL)
         self.pid = self._popen.pid
 
@@ -119,7 +119,7 @@ def start_ranks(model: torch.nn.Module, model_path: str | Path, size: int, *, mo
     ``[0, E/size)`` and every layer's dispatcher is an
     :class:`~minipd.moe.expert_parallel.ExpertParallelDispatcher`. ``timeout`` bounds every collective once
     a layer call has started; ``start_timeout`` bounds loading and joining. The ranks are
-    ``python -m minipd.moe.ranks`` subprocesses, which load ``model_path`` themselves.
+    ``python -m minipd.engine.expert_ranks`` subprocesses, which load ``model_path`` themselves.
     """
     layers = moe_layers_of(model)
     if not layers:

@@ -82,7 +82,7 @@ def finetune_routers(method: str = "bias", model_name: str = "tiny-py-moe", step
     """Fine-tune only the routers of ``model_name`` with balancing ``method`` (see the module docstring)."""
     from tqdm.auto import tqdm
 
-    from minipd.kv.quality import windows
+    from minipd.evaluation.kv_quality import windows
     from minipd.layers.moe import MoE
     from minipd.models import load_model
     from minipd.tokenizer import Tokenizer

@@ -1,0 +1,106 @@
+"""Measure, on real engine steps of a bundled model, the choices :mod:`minipd.kernels.measured` keeps per machine.
+
+Timed on whole steps, not on the linears alone: a bench of the linears chose the slower path on this
+project's CPU, because a small step is dozens of small ops, each paying the threads' fork and join.
+Engines of every configuration are built side by side and their runs interleaved, so a busy moment of a
+shared machine hurts each of them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from minipd.kernels.measured import MARGIN, TIE, cpu_description
+
+
+def _step_times(core: Any, batch: int, prompt_len: int, rounds_tag: str) -> tuple[float, float]:
+    """One run of ``batch`` requests of ``prompt_len`` tokens through ``core``: the first (prefill) step's time
+    and the median of its decode steps."""
+    from minipd.engine.request import Request
+    from minipd.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i in range(batch):
+        ids = [(7 * i + j) % 250 + 3 for j in range(prompt_len)]
+        core.add_request(Request(f"{rounds_tag}{i}", ids, prompt_len, params, 0, frozenset(), 1024, 0.0))
+    steps = []
+    while core.has_unfinished_requests():
+        start = time.perf_counter()
+        core.step()
+        steps.append(time.perf_counter() - start)
+    return steps[0], statistics.median(steps[2:])
+
+
+def _measure_cores(options: dict[str, dict[str, Any]], cases: tuple[tuple[int, int], ...], rounds: int,
+                   model: str) -> dict[str, dict[tuple[int, int], float]]:
+    """For each engine configuration in ``options``, each (batch, prompt length) case: the median over ``rounds``
+    (interleaved across configurations) of its prefill step plus ten times its decode step."""
+    from minipd.engine.config import EngineConfig
+    from minipd.engine.factory import build_core
+
+    before = torch.get_num_threads()
+    built = {name: build_core(model, engine_config=EngineConfig(num_kv_blocks=512, enable_prefix_caching=False,
+                                                                **opts)) for name, opts in options.items()}
+    times: dict[str, dict[tuple[int, int], list[float]]] = {name: {c: [] for c in cases} for name in built}
+    try:
+        for r in range(rounds):
+            for case in cases:
+                for name, b in built.items():  # interleaved: a busy moment hurts every configuration
+                    prefill, decode = _step_times(b.core, *case, f"r{r}-")
+                    times[name][case].append(prefill + 10 * decode)
+    finally:
+        for b in built.values():
+            b.close()
+        torch.set_num_threads(before)
+    return {name: {c: statistics.median(v) for c, v in per.items()} for name, per in times.items()}
+
+
+#: (batch, prompt length) cases the linear paths are timed on: one stream, decode batches, a long prefill.
+LINEAR_CASES = ((1, 32), (8, 32), (32, 64), (1, 512))
+
+
+def measure_linear_backend(rounds: int = 3, model: str = "tiny-py",
+                           cases: tuple[tuple[int, int], ...] = LINEAR_CASES) -> dict[str, Any]:
+    """Time ``model``'s engine steps with ``F.linear`` and with oneDNN's packed linears (fp32, this process's
+    threads) on (batch, prompt length) ``cases``: one stream, small and large decode batches, a long prefill.
+    Each case counts its prefill step and ten decode steps; the medians are summed. Returns the record:
+    ``choice`` ("onednn" when it takes under :data:`MARGIN` of torch's time, else "torch"), the ratio, and the
+    per-case ratios. (Measured on real steps: a bench of the linears alone chose wrong on this project's CPU.)"""
+    from minipd.kernels.cpu_linear import onednn_available
+
+    if not onednn_available():
+        return {"choice": "torch", "why": "this torch build has no oneDNN linear", "ratio": None}
+    threads = torch.get_num_threads()
+    t = _measure_cores({"torch": {"linear_backend": "torch", "cpu_threads": threads},
+                        "onednn": {"linear_backend": "onednn", "cpu_threads": threads}}, cases, rounds, model)
+    ratio = sum(t["onednn"].values()) / sum(t["torch"].values())
+    return {"choice": "onednn" if ratio < MARGIN else "torch", "ratio": round(ratio, 3),
+            "cases": {f"{b}x{n}": round(t["onednn"][(b, n)] / t["torch"][(b, n)], 3) for b, n in cases},
+            **cpu_description()}
+
+
+def measure_small_step_tokens(threads: int | None = None, rounds: int = 3, model: str = "tiny-py",
+                              sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> dict[str, Any]:
+    """Up to how many tokens a step is faster on one thread than on ``threads`` (torch's count by default),
+    measured on real steps of ``model`` (a proxy of linears alone misleads: a small step is dozens of small
+    ops, each paying the threads' fork and join): batches of each size on one thread and on all,
+    interleaved. The choice is the largest batch up to which one thread was never slower by more than
+    :data:`TIE` (0: it always was)."""
+    threads = threads or torch.get_num_threads()
+    cases = tuple((size, 4) for size in sizes)
+    t = _measure_cores({str(count): {"cpu_threads": count, "linear_backend": "torch"} for count in {1, threads}},
+                       cases, rounds, model)
+    ratios = {size: round(t["1"][(size, 4)] / t[str(threads)][(size, 4)], 3) for size in sizes}
+    choice = 0
+    for size, ratio in ratios.items():  # (in increasing order)
+        if ratio > TIE:
+            break
+        choice = size
+    return {"choice": choice, "threads": threads, "one_thread_vs_all": ratios, **cpu_description()}
+
+
+__all__ = ["LINEAR_CASES", "measure_linear_backend", "measure_small_step_tokens"]
