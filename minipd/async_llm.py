@@ -53,9 +53,10 @@ class _Engine:
             # queued meanwhile get in at once.
             core.step_timeout = min(core.step_timeout, 0.005)
 
-    def submit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None) -> tuple[str, deque]:
+    def submit(self, prompt: PromptInput, params: SamplingParams, request_id: str | None,
+               arrival_time: float | None) -> tuple[str, deque]:
         with self.lock:
-            state = self.engine.make_request(prompt, params, request_id=request_id)
+            state = self.engine.make_request(prompt, params, request_id=request_id, arrival_time=arrival_time)
             self.engine.add(state)
             return state.request_id, self.engine.watch(state.request_id)
 
@@ -132,11 +133,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------ API
     async def generate(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                       request_id: str | None = None, *,
+                       arrival_time: float | None = None) -> AsyncIterator[StreamDelta]:
         """Send ``prompt`` to the engine and yield its deltas as they come, the last one finished.
 
         Bad input raises here (a ``ValueError`` naming the field), before anything is queued. Cancelling
-        the consuming task, or closing this generator, aborts the request in the engine.
+        the consuming task, or closing this generator, aborts the request in the engine. ``arrival_time``
+        (``time.perf_counter()``, by default now, when the engine's thread takes the request) is when the
+        request arrived: a server passes when the HTTP request did, so latencies count the whole wait.
         """
         if not self.is_running:
             raise EngineStoppedError("this AsyncLLM is shut down") from self._stopped
@@ -147,7 +151,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         admitted: asyncio.Future = loop.create_future()
-        self._commands.put(("add", prompts[0], params, request_id, loop, sink, admitted))
+        self._commands.put(("add", prompts[0], params, request_id, arrival_time, loop, sink, admitted))
         rid = await admitted
         finished = False
         try:
@@ -220,9 +224,9 @@ class AsyncLLM:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
-            _, prompt, params, request_id, loop, sink, admitted = command
+            _, prompt, params, request_id, arrival_time, loop, sink, admitted = command
             try:
-                rid, outbox = self._engine.submit(prompt, params, request_id)
+                rid, outbox = self._engine.submit(prompt, params, request_id, arrival_time)
             except Exception as err:
                 loop.call_soon_threadsafe(_settle, admitted, None, err)
                 return

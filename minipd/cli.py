@@ -107,6 +107,18 @@ def _kvquality(args: argparse.Namespace) -> int:
     return quality_main(args.quality_args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from minipd.serve.server import main as serve_main
+
+    return serve_main(args)
+
+
+def _loadgen(args: argparse.Namespace) -> int:
+    from minipd.serve.loadgen import main as loadgen_main
+
+    return loadgen_main(args.loadgen_args)
+
+
 def _moebalance(args: argparse.Namespace) -> int:
     from minipd.evaluation.moe_balance import main as balance_main
 
@@ -154,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "$MINIPD_CLUSTER_SECRET, else $MINIPD_CLUSTER_SECRET_FILE, else "
                              "~/.config/minipd/cluster-secret)")
     worker.set_defaults(func=_worker)
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server (colocated, or disaggregated with "
+                           "--prefill-workers)", description="Serve a model over the OpenAI API on 127.0.0.1 "
+                           "(--host to change): /v1/completions, /v1/chat/completions, /metrics, /health.")
+    from minipd.serve.server import add_arguments as serve_arguments
+
+    serve_arguments(serve)
+    serve.set_defaults(func=_serve)
+    loadgen = sub.add_parser("loadgen", help="load-test a server: latency percentiles and goodput "
+                             "(see `python -m minipd loadgen -h`)", add_help=False)
+    loadgen.add_argument("loadgen_args", nargs=argparse.REMAINDER)
+    loadgen.set_defaults(func=_loadgen)
     bench = sub.add_parser("bench", help="minipd against HF transformers (see `python -m minipd bench -h`)",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -182,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(argparse.Namespace(bench_args=argv[1:]))
         if argv[:1] == ["kvquality"]:  # likewise
             return _kvquality(argparse.Namespace(quality_args=argv[1:]))
+        if argv[:1] == ["loadgen"]:
+            return _loadgen(argparse.Namespace(loadgen_args=argv[1:]))
         if argv[:1] == ["moebalance"]:
             return _moebalance(argparse.Namespace(balance_args=argv[1:]))
         args = build_parser().parse_args(argv)

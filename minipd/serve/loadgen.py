@@ -1,0 +1,287 @@
+"""``python -m minipd loadgen``: load-test an OpenAI-compatible server and report what its users would see.
+
+Requests go to ``/v1/completions`` as streams (with ``ignore_eos``, so every request produces exactly the
+output length planned, and ``include_usage``, so token counts are the server's, never re-tokenised) on a
+seeded schedule (:mod:`minipd.serve.workload`): open loop at ``--rate`` (Poisson or gamma arrivals, or a
+trace), or closed loop with ``--concurrency`` users each sending the next request when the last ends.
+
+Per request: time to first token (TTFT), time per output token after the first (TPOT), the gaps between
+streamed chunks (ITL), end-to-end latency (E2EL), and when it was meant to be sent against when it was.
+Summaries use vLLM's benchmark keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``, ...). Two
+goodputs, not to be confused:
+
+- ``request_goodput`` (vLLM's): completed requests per second that met every SLO, at the rate offered;
+- DistServe's goodput (:func:`search_goodput`): the highest offered rate at which at least 90% of
+  requests meet the SLOs, found by bisection over runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from minipd.serve.workload import PlannedRequest, prompt_ids, synthetic_workload, trace_workload
+
+#: Text the server tokenises once; synthetic prompts are cut from its tokens.
+BASE_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+             "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n") * 8
+
+
+@dataclass
+class RequestResult:
+    """What one request of a load test saw (times in seconds; ``intended`` and ``sent`` from the test's start)."""
+
+    intended: float
+    sent: float = 0.0
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 with one token)."""
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in milliseconds (None: not part of the goal)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def met(self, r: RequestResult) -> bool:
+        """Whether a request met every objective set."""
+        return r.ok and all(limit is None or value * 1000 <= limit for limit, value in
+                            ((self.ttft_ms, r.ttft), (self.tpot_ms, r.tpot), (self.e2el_ms, r.e2el)))
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> Slo:
+        """``["ttft:200", "tpot:50"]`` (vLLM's ``--goodput`` form, milliseconds)."""
+        values: dict[str, float] = {}
+        for item in items:
+            name, _, number = item.partition(":")
+            if name not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"an SLO is ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+            values[f"{name}_ms"] = float(number)
+        return cls(**values)
+
+
+async def _one(client: Any, url: str, model: str, item: PlannedRequest, prompt: list[int] | str,
+               start: float, result: RequestResult) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": item.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    result.sent = sent - start
+    last = sent
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    result.ok = result.output_tokens > 0
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - sent
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+            result.e2el = time.perf_counter() - sent
+    except Exception as err:  # a failed request is a result, not the end of the test
+        result.error = f"{type(err).__name__}: {err}"
+
+
+async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | None = None,
+                   concurrency: int | None = None, timeout: float = 300.0,
+                   progress: bool = True) -> list[RequestResult]:
+    """Send ``workload`` to the server at ``url``: at each request's ``send_at`` (open loop), or, with
+    ``concurrency``, that many at a time back to back (closed loop). Returns one result per request."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        if model is None:
+            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        base = (await client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT})).json()["tokens"]
+        prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i)
+                   for i, item in enumerate(workload)]
+        results = [RequestResult(intended=item.send_at) for item in workload]
+        bar = tqdm(total=len(workload), desc="requests", disable=not progress, leave=False)
+        start = time.perf_counter()
+
+        async def send(i: int) -> None:
+            await _one(client, url, model, workload[i], prompts[i], start, results[i])
+            bar.update(1)
+
+        if concurrency:
+            queue = list(range(len(workload)))[::-1]
+
+            async def user() -> None:
+                while queue:
+                    i = queue.pop()
+                    results[i].intended = time.perf_counter() - start
+                    await send(i)
+
+            await asyncio.gather(*(user() for _ in range(concurrency)))
+        else:
+            tasks = []
+            for i, item in enumerate(workload):
+                delay = item.send_at - (time.perf_counter() - start)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(send(i)))
+            await asyncio.gather(*tasks)
+        bar.close()
+    return results
+
+
+def _stats(values: list[float], name: str, scale: float = 1000.0) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float) * scale if values else np.zeros(1)
+    return {f"mean_{name}": float(arr.mean()), f"median_{name}": float(np.median(arr)),
+            f"std_{name}": float(arr.std()), f"p90_{name}": float(np.percentile(arr, 90)),
+            f"p99_{name}": float(np.percentile(arr, 99))}
+
+
+def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict[str, Any]:
+    """The run in vLLM's benchmark keys (times in ms), with SLO attainment and the dispatch lag."""
+    done = [r for r in results if r.ok]
+    duration = max((r.sent + r.e2el for r in done), default=0.0) - min((r.sent for r in results), default=0.0)
+    duration = max(duration, 1e-9)
+    inputs, outputs = sum(r.prompt_tokens for r in done), sum(r.output_tokens for r in done)
+    met = [r for r in done if slo is None or slo.met(r)]
+    lags = [r.sent - r.intended for r in results]
+    summary: dict[str, Any] = {
+        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": inputs, "total_output_tokens": outputs,
+        "request_throughput": len(done) / duration, "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "request_goodput": len(met) / duration if slo is not None else None,
+        "slo_attainment": len(met) / len(results) if results else 0.0,
+        **_stats([r.ttft for r in done], "ttft_ms"), **_stats([r.tpot for r in done if r.output_tokens > 1], "tpot_ms"),
+        **_stats([x for r in done for x in r.itls], "itl_ms"), **_stats([r.e2el for r in done], "e2el_ms"),
+        **_stats(lags, "dispatch_lag_ms"),
+        "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results], "itls": [r.itls for r in results],
+        "errors": [r.error for r in results],
+    }
+    return summary
+
+
+def search_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, low: float, high: float,
+                   attainment: float = 0.9, iterations: int = 5) -> tuple[float, list[tuple[float, float]]]:
+    """DistServe's goodput: the highest rate (requests/s) in ``[low, high]`` at which at least ``attainment`` of
+    requests meet ``slo``, by bisection over runs (``run_at(rate)`` runs one). Returns it (0 when even ``low``
+    fails) and every (rate, attainment) tried."""
+    tried: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        results = run_at(rate)
+        share = sum(slo.met(r) for r in results) / max(len(results), 1)
+        tried.append((rate, share))
+        return share >= attainment
+
+    if not ok(low):
+        return 0.0, tried
+    if ok(high):
+        return high, tried
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        low, high = (middle, high) if ok(middle) else (low, middle)
+    return low, tried
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A table of the summary for people."""
+    lines = [f"completed {summary['completed']} (failed {summary['failed']}) in {summary['duration']:.2f} s: "
+             f"{summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s"]
+    if summary.get("request_goodput") is not None:
+        lines.append(f"request_goodput {summary['request_goodput']:.2f} req/s "
+                     f"(SLO attainment {summary['slo_attainment']:.0%})")
+    lines.append(f"{'ms':>8} {'mean':>9} {'median':>9} {'p90':>9} {'p99':>9}")
+    for name in ("ttft", "tpot", "itl", "e2el", "dispatch_lag"):
+        lines.append(f"{name.upper():>8} " + " ".join(f"{summary[f'{k}_{name}_ms']:9.2f}"
+                                                        for k in ("mean", "median", "p90", "p99")))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minipd loadgen", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    parser.add_argument("--model", default=None, help="model name (default: the server's)")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=None, help="requests/s, open loop (default 4; inf: all at once)")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users back to back")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    parser.add_argument("--prompt-len", default="128", help="N or LOW:HIGH tokens (default 128)")
+    parser.add_argument("--output-len", default="32", help="N or LOW:HIGH tokens (default 32)")
+    parser.add_argument("--trace", default=None, help="JSONL: arrival, prompt_len (or prompt), output_len per line")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS",
+                        help="SLOs (ttft:MS tpot:MS e2el:MS) for request_goodput and attainment")
+    parser.add_argument("--search-goodput", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),
+                        help="find DistServe's goodput: the highest rate in [LOW, HIGH] with >= 90%% attainment")
+    parser.add_argument("--output", default=None, help="write the JSON summary here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``loadgen`` command."""
+    args = build_parser().parse_args(argv)
+    slo = Slo.parse(args.goodput) if args.goodput else None
+
+    def plan(rate: float) -> list[PlannedRequest]:
+        if args.trace:
+            return trace_workload(args.trace)
+        return synthetic_workload(args.num_requests, rate, args.prompt_len, args.output_len, args.burstiness,
+                                  args.seed)
+
+    def run_at(rate: float) -> list[RequestResult]:
+        return asyncio.run(run_load(args.url, plan(rate), args.model, args.concurrency))
+
+    if args.search_goodput:
+        if slo is None:
+            raise ValueError("--search-goodput needs SLOs: --goodput ttft:MS tpot:MS")
+        best, tried = search_goodput(run_at, slo, *args.search_goodput)
+        report: dict[str, Any] = {"goodput": best, "tried": tried, "slo": asdict(slo)}
+        print(f"goodput (DistServe): {best:.2f} req/s with >= 90% of requests within {asdict(slo)}")
+        for rate, share in tried:
+            print(f"  {rate:7.2f} req/s: {share:.0%} met the SLOs")
+    else:
+        rate = args.rate if args.rate is not None else (math.inf if args.concurrency else 4.0)
+        report = summarize(run_at(rate), slo)
+        report.update(rate=rate, burstiness=args.burstiness, concurrency=args.concurrency, seed=args.seed)
+        print(format_summary(report))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f)
+    return 0
+
+
+__all__ = ["RequestResult", "Slo", "format_summary", "run_load", "search_goodput", "summarize"]

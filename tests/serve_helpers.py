@@ -1,0 +1,94 @@
+"""A live server for tests: in this process (a thread of its own) or as ``python -m minipd serve``, always
+bounded in time and stopped, even when the test fails."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from minipd.async_llm import AsyncLLM
+from minipd.serve.server import BackgroundServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def serving(llm, name: str = "tiny-py", **options) -> Iterator[BackgroundServer]:
+    """``llm`` behind the API on 127.0.0.1 (a free port); the engine thread and the server stop on the way out."""
+    engine = AsyncLLM.from_llm(llm)
+    server = BackgroundServer(engine, name, grace=1.0, **options)
+    try:
+        server.start(timeout=30)
+        yield server
+    finally:
+        server.stop(timeout=10)
+        engine.shutdown()
+
+
+def keep_states(processor) -> dict:
+    """Every request state the front end is given, kept here (it forgets a request once it finishes)."""
+    states, add = {}, processor.add
+
+    def adding(state) -> None:
+        states[state.request_id] = state
+        add(state)
+
+    processor.add = adding
+    return states
+
+
+class ServerProcess:
+    """``python -m minipd serve ARGS --port 0`` in its own process group; ``url`` once it listens."""
+
+    def __init__(self, *args: str, start_timeout: float = 180.0) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "minipd", "serve", "--port", "0", *args], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
+        deadline = time.monotonic() + start_timeout
+        self.url = ""
+        while not self.url:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                raise RuntimeError(f"the server did not start in {start_timeout:.0f} s: {self.lines}") from None
+            if line is None:
+                raise RuntimeError(f"the server exited: {self.lines}")
+            if " at http://" in line:
+                self.url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+
+    def _read(self, lines: queue.Queue) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            lines.put(line)
+        lines.put(None)
+
+    def children(self) -> list[int]:
+        """Every process this server started (its whole process group but itself)."""
+        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in out if int(p) != self.proc.pid]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None or self.children():
+            self.kill()

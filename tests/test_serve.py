@@ -1,0 +1,202 @@
+"""The OpenAI-compatible server, through the ``openai`` client and raw HTTP, on 127.0.0.1.
+
+Completions and chat, streamed and not, from the sync and the async client, equal offline greedy
+``LLM.generate`` token for token (and their log-probabilities equal the engine's); the server-sent events are
+framed as OpenAI frames them; every bad request gets an OpenAI-shaped 400/404/413 naming its field, and
+neither crashes the server nor disturbs a request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import openai
+import pytest
+from serve_helpers import serving
+
+from minipd import LLM, SamplingParams
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-py", num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with serving(llm) as server:
+        yield server
+
+
+def offline(llm: LLM, prompt, **params):
+    return llm.generate(prompt, SamplingParams(temperature=0, **params), use_tqdm=False)[0]
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The events of a server-sent stream, checking the framing: ``data: ...`` lines, each followed by a blank one."""
+    raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    return [e[len("data: "):] for e in events[:-1]]
+
+
+def test_completions_equal_offline_greedy_streamed_or_not(llm, server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    want = offline(llm, PROMPT, max_tokens=20, logprobs=2)
+    whole = client.completions.create(model="tiny-py", prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == want.finish_reason
+    assert whole.usage.prompt_tokens == len(want.prompt_token_ids) and whole.usage.completion_tokens == 20
+    got_logprobs = whole.choices[0].logprobs.token_logprobs
+    assert all(math.isclose(a, b[t], abs_tol=1e-5) for a, b, t in zip(got_logprobs, want.logprobs, want.token_ids,
+                                                                       strict=True))
+    assert whole.choices[0].logprobs.text_offset[0] == 0
+    chunks = list(client.completions.create(model="tiny-py", prompt=PROMPT, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    # Token ids as the prompt, stop strings, a seed: the engine's own semantics.
+    ids = llm.tokenizer.encode(PROMPT)
+    assert client.completions.create(model="tiny-py", prompt=ids, max_tokens=12, temperature=0).choices[0].text == \
+        offline(llm, ids, max_tokens=12).text
+    seeded = dict(max_tokens=12, temperature=0.8, seed=7)
+    assert client.completions.create(model="tiny-py", prompt=PROMPT, **seeded).choices[0].text == \
+        llm.generate(PROMPT, SamplingParams(**seeded), use_tqdm=False)[0].text
+    stopped = client.completions.create(model="tiny-py", prompt=PROMPT, max_tokens=30, temperature=0, stop=["\n"])
+    assert "\n" not in stopped.choices[0].text and stopped.choices[0].text == offline(llm, PROMPT, max_tokens=30,
+                                                                                       stop=["\n"]).text
+
+
+def test_chat_from_the_async_client_streamed_or_not(llm, server):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A stack class."}]
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        whole = await client.chat.completions.create(model="tiny-py", messages=messages, max_tokens=16,
+                                                     temperature=0, logprobs=True, top_logprobs=3)
+        stream = await client.chat.completions.create(model="tiny-py", messages=messages, max_completion_tokens=16,
+                                                      temperature=0, stream=True)
+        chunks = [c async for c in stream]
+        await client.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == want.text
+    assert whole.usage.completion_tokens == len(want.token_ids)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) and all(len(c.top_logprobs) == 3 for c in content)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_server_sent_events_are_framed_as_openai_frames_them(llm, server):
+    want = offline(llm, PROMPT, max_tokens=10)
+    body = {"model": "tiny-py", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = [c for c in chunks if c["choices"] == []]
+    assert len(usage) == 1 and usage[0] is chunks[-1]  # exactly one usage chunk, the last before [DONE]
+    assert usage[0]["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 10,
+                                 "total_tokens": len(want.prompt_token_ids) + 10}
+    assert all(c["usage"] is None for c in chunks[:-1])  # the others carry a null usage, as OpenAI's do
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    chat = {"model": "tiny-py", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat, timeout=30) as response:
+        chat_chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert chat_chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chat_chunks[1:])
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chat_chunks[0]["id"] for c in chat_chunks)
+
+
+BAD = [  # (path, body or raw bytes, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "top_k": "all"}, 400, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "min_tokens": -2}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 9}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": PROMPT, "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 5000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}, 404, "model"),
+    ("/v1/completions", {"model": 3, "prompt": PROMPT}, 400, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
+    ("/v1/completions", b"{" + b" " * (5 << 20) + b"}", 413, None),
+    ("/v1/nowhere", {}, 404, None),
+]
+
+
+def test_bad_requests_name_their_field_and_harm_nobody(llm, server):
+    want = offline(llm, PROMPT, max_tokens=60, ignore_eos=True)
+    body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as client, \
+            client.stream("POST", "/v1/completions", json=body) as in_flight:
+        lines = in_flight.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # admitted and running
+        for path, payload, status, param in BAD:
+            if isinstance(payload, bytes):
+                response = client.post(path, content=payload, headers={"content-type": "application/json"})
+            else:
+                response = client.post(path, json=payload)
+            assert response.status_code == status, (path, payload if len(str(payload)) < 200 else "...", response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+            assert error["param"] == param, (payload if len(str(payload)) < 200 else "...", error)
+        rest = [first, *(line for line in lines if line.startswith("data: "))]
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in rest if line != "data: [DONE]")
+    assert text == want.text  # the request in flight went on untouched
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_models_tokenize_detokenize_and_health(llm, server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        models = client.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny-py"] and models["data"][0]["max_model_len"] > 0
+        tokens = client.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert tokens["tokens"] == llm.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+        chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert chat["tokens"] == llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}]))
+        assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == PROMPT
+        assert client.get("/health").json() == {"status": "ok"}
+        metrics = client.get("/metrics").text
+        assert 'vllm:num_requests_running{model_name="tiny-py"}' in metrics

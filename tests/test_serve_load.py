@@ -1,0 +1,245 @@
+"""The server under load: a storm of streams with clients that hang up, the load generator's numbers against
+the server's metrics, arrival schedules, and shutdown on SIGTERM.
+
+- 200 concurrent streams over HTTP, 50 of them dropped by their client at random points, on ``LLM`` and on a
+  1P1D ``DisaggregatedLLM``: every survivor equals offline greedy ``LLM.generate`` token for token, each
+  dropped request stops within two engine steps of its disconnect, every KV block comes back, and the
+  server's event loop is never blocked (a lag probe's P99 stays under 20 ms).
+- ``python -m minipd loadgen`` (its own process) against a live server: its sums equal ``/metrics`` exactly,
+  its dispatch lag stays small, and client and server agree on TTFT.
+- SIGTERM: requests in flight finish (or are cut at the grace period), the process exits within 5 s and
+  leaves no thread or worker process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from pd_helpers import needs_nixl, wait_until_blocks_free
+from prometheus_client.parser import text_string_to_metric_families
+from serve_helpers import ROOT, ServerProcess, keep_states, serving
+
+from minipd import LLM, DisaggregatedLLM, SamplingParams
+from minipd.serve.workload import arrival_gaps, synthetic_workload, trace_workload
+
+N, DROPPED = 200, 50
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny-py", num_kv_blocks=1024)
+    text = ("import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.ArgumentParser()\n"
+            "    args = parser.parse_args(argv)\n    return run(args)\n") * 6
+    ids = llm.tokenizer.encode(text)
+    prompts = [ids[(i * 7) % 60:(i * 7) % 60 + 3 + (i * 13) % 50] for i in range(N)]
+    lengths = [8 + (i * 5) % 24 for i in range(N)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    return prompts, lengths, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def run_storm(server, processor, reference, tmp_path) -> None:
+    """The storm's clients in a process of their own (tests/storm_client.py); the checks on the server's side."""
+    prompts, lengths, expected = reference
+    rng = random.Random(0)
+    dropped = set(rng.sample(range(N), DROPPED))
+    drops = [rng.randint(1, lengths[i] - 4) if i in dropped else 0 for i in range(N)]
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"prompts": prompts, "lengths": lengths, "drops": drops}))
+    states = keep_states(processor)
+    lags: list[float] = []
+    probing = threading.Event()
+    probing.set()
+
+    async def probe() -> None:
+        loop = asyncio.get_running_loop()
+        while probing.is_set():
+            start = loop.time()
+            await asyncio.sleep(0.005)
+            lags.append(loop.time() - start - 0.005)
+
+    watch = asyncio.run_coroutine_threadsafe(probe(), server.loop)
+    try:
+        clients = subprocess.run([sys.executable, str(ROOT / "tests" / "storm_client.py"), server.url, str(spec),
+                                  str(out)], capture_output=True, text=True, timeout=240)
+    finally:
+        probing.clear()
+        watch.result(timeout=5)
+    assert clients.returncode == 0, clients.stderr[-3000:]
+    result = json.loads(out.read_text())
+    ids = {int(k): v for k, v in result["ids"].items()}
+    dropped_at = {int(k): v for k, v in result["dropped_at"].items()}
+    assert set(ids) == set(range(N)) and set(dropped_at) == dropped
+    deadline = time.monotonic() + 10  # the last aborts are applied by the engine's thread
+    while time.monotonic() < deadline and any(not s.finished for s in states.values()):
+        time.sleep(0.02)
+    for i in range(N):
+        state = states[ids[i]]
+        if i in dropped:
+            after = sum(t > dropped_at[i] for t in state.metrics.token_times)
+            assert after <= 2, f"request {i} made {after} tokens after its client hung up"
+            assert state.finish_reason == "abort" or len(state.token_ids) == lengths[i], i
+        else:
+            assert state.token_ids == expected[i], f"request {i}"
+    assert sum(states[ids[i]].finish_reason == "abort" for i in dropped) >= DROPPED - 5
+    lags.sort()
+    p99 = lags[int(0.99 * (len(lags) - 1))]
+    assert p99 <= 0.020, f"the server's event loop lagged {p99 * 1000:.1f} ms at P99"
+
+
+def test_clients_that_hang_up_stop_their_requests_colocated(reference, tmp_path):
+    llm = LLM("tiny-py", num_kv_blocks=1024)
+    with serving(llm) as server:
+        run_storm(server, llm.engine.processor, reference, tmp_path)
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+@needs_nixl
+def test_clients_that_hang_up_stop_their_requests_disaggregated(reference, tmp_path):
+    with DisaggregatedLLM("tiny-py", num_kv_blocks=512, kv_lease_s=10, start_timeout=120) as pd:
+        with serving(pd) as server:
+            run_storm(server, pd.processor, reference, tmp_path)
+        assert not pd.has_unfinished_requests()
+        wait_until_blocks_free(pd)  # every worker let go of every request's blocks
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def test_the_load_generator_reconciles_with_the_servers_metrics(tmp_path):
+    llm = LLM("tiny-py", num_kv_blocks=512)
+    server_ttfts: list[float] = []
+    with serving(llm) as server:
+        observe = server.api.metrics.observe
+
+        def recording(metrics) -> None:
+            server_ttfts.append(metrics.ttft)
+            observe(metrics)
+
+        server.api.metrics.observe = recording
+        out = tmp_path / "run.json"
+        run = subprocess.run([sys.executable, "-m", "minipd", "loadgen", "--url", server.url, "--rate", "20",
+                              "--num-requests", "60", "--prompt-len", "16:96", "--output-len", "4:24", "--seed", "3",
+                              "--goodput", "ttft:500", "tpot:100", "--output", str(out)],
+                             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                             timeout=240)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "TTFT" in run.stdout and "request_goodput" in run.stdout
+        report = json.loads(out.read_text())
+        metrics = metric_values(httpx.get(f"{server.url}/metrics").text)
+    label = (("model_name", "tiny-py"),)
+    assert report["completed"] == 60 and report["failed"] == 0
+    assert metrics[("vllm:prompt_tokens_total", label)] == report["total_input_tokens"]
+    assert metrics[("vllm:generation_tokens_total", label)] == report["total_output_tokens"]
+    assert report["total_output_tokens"] == sum(report["output_lens"])  # exactly what was planned (ignore_eos)
+    assert metrics[("vllm:request_success_total", (("finished_reason", "length"), *label))] == 60
+    assert metrics[("vllm:time_to_first_token_seconds_count", label)] == 60
+    assert metrics[("vllm:e2e_request_latency_seconds_count", label)] == 60
+    assert metrics[("vllm:request_queue_time_seconds_count", label)] == 60
+    assert metrics[("vllm:inter_token_latency_seconds_count", label)] == report["total_output_tokens"] - 60
+    assert metrics[("vllm:num_requests_running", label)] == 0
+    # The schedule was kept, and client and server agree on how long the first token took.
+    assert report["p99_dispatch_lag_ms"] <= 5.0, report["p99_dispatch_lag_ms"]
+    client_p50, server_p50 = report["median_ttft_ms"], float(np.median(server_ttfts)) * 1000
+    assert abs(client_p50 - server_p50) <= 5.0, (client_p50, server_p50)
+    planned = synthetic_workload(60, 20, "16:96", "4:24", seed=3)
+    assert report["output_lens"] == [p.output_len for p in planned]
+    assert report["input_lens"] == [p.prompt_len for p in planned]
+
+
+def test_poisson_and_gamma_arrivals_have_their_statistics():
+    gaps = arrival_gaps(4000, rate=10.0, seed=1)
+    # Kolmogorov-Smirnov against the exponential of mean 0.1 s, at the 1% level (critical value 1.63 / sqrt(n)).
+    ordered = np.sort(gaps)
+    cdf = 1 - np.exp(-10.0 * ordered)
+    n = len(ordered)
+    statistic = max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n))
+    assert statistic < 1.63 / math.sqrt(n), statistic
+    assert abs(gaps.mean() - 0.1) < 0.01
+    for burstiness in (0.25, 0.5, 2.0, 4.0):
+        g = arrival_gaps(20000, rate=10.0, burstiness=burstiness, seed=2)
+        cv = g.std() / g.mean()
+        assert abs(cv - 1 / math.sqrt(burstiness)) <= 0.05 / math.sqrt(burstiness), (burstiness, cv)
+        assert abs(g.mean() - 0.1) < 0.01
+    # The same seed, the same schedule; lengths do not move with the rate.
+    a, b = synthetic_workload(50, 5.0, "8:64", "4:16", seed=9), synthetic_workload(50, 5.0, "8:64", "4:16", seed=9)
+    assert a == b and [r.prompt_len for r in synthetic_workload(50, 50.0, "8:64", "4:16", seed=9)] == \
+        [r.prompt_len for r in a]
+    with pytest.raises(ValueError, match="rate"):
+        arrival_gaps(3, rate=0)
+
+
+def test_a_trace_replays_in_arrival_order(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival": 0.5, "prompt_len": 12, "output_len": 4}\n'
+                     '{"arrival": 0.0, "prompt": "def f(x):", "output_len": 8}\n\n')
+    planned = trace_workload(trace)
+    assert [(p.send_at, p.output_len, p.prompt) for p in planned] == [(0.0, 8, "def f(x):"), (0.5, 4, None)]
+    trace.write_text('{"arrival": 0.5}\n')
+    with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
+        trace_workload(trace)
+
+
+def stream_until_cut(url: str, max_tokens: int) -> dict:
+    """A long stream in a thread; what it got and whether it ended cleanly."""
+    result: dict = {"chunks": 0, "done": False, "error": None}
+
+    def run() -> None:
+        body = {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+                for line in response.iter_lines():
+                    result["chunks"] += line.startswith("data: {")
+                    result["done"] |= line == "data: [DONE]"
+        except httpx.HTTPError as err:
+            result["error"] = err
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    return result
+
+
+@pytest.mark.parametrize("mode", ["colocated", pytest.param("disaggregated", marks=needs_nixl)])
+def test_sigterm_drains_then_leaves_nothing_behind(mode):
+    args = ["--grace", "1.5", "--option", "num_kv_blocks=256"]
+    if mode == "disaggregated":
+        args += ["--prefill-workers", "1", "--decode-workers", "1", "--option", "kv_lease_s=10"]
+    with ServerProcess(*args) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        short = stream_until_cut(server.url, 40)  # finishes within the grace period
+        long = stream_until_cut(server.url, 1000)  # does not
+        while short["chunks"] < 2 or long["chunks"] < 2:
+            time.sleep(0.01)
+        children = server.children()
+        assert (len(children) >= 2) == (mode == "disaggregated"), children  # the workers, when there are some
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=10)
+        took = time.monotonic() - start
+        short["thread"].join(5)
+        long["thread"].join(5)
+        assert took <= 5.0, f"SIGTERM took {took:.1f} s"
+        assert server.proc.returncode == 0, server.lines
+        assert short["done"] and short["chunks"] >= 40  # drained: it finished
+        assert not long["done"]  # cut at the grace period
+        assert "minipd: stopped" in server.lines[-1]
+        deadline = time.monotonic() + 3
+        while server.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.children() == [], "worker processes outlived the server"
