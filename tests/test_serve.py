@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -200,3 +201,28 @@ def test_models_tokenize_detokenize_and_health(llm, server):
         assert client.get("/health").json() == {"status": "ok"}
         metrics = client.get("/metrics").text
         assert 'vllm:num_requests_running{model_name="tiny-py"}' in metrics
+
+
+def test_an_admission_rule_turns_requests_away_while_the_server_is_full(llm):
+    seen = []
+
+    def rule(load) -> bool:
+        seen.append(load)
+        return load.in_flight < 2
+
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with serving(llm, admission=rule) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as one, \
+                client.stream("POST", "/v1/completions", json=body) as two:
+            lines = [one.iter_lines(), two.iter_lines()]  # (kept: dropping one would close its connection)
+            assert all(next(it).startswith("data: ") for it in lines)  # both admitted and streaming
+            refused = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "ServiceUnavailable"
+            assert seen[-1].in_flight == 2 and seen[-1].running >= 1, seen[-1]
+        # Both hung up: they are over, and the next request gets in.
+        deadline = time.monotonic() + 5
+        while server.api.load().in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        assert again.status_code == 200, (again.text, seen[-1])
+        assert server.api.num_refused == 1 and server.api.load().in_flight == 0

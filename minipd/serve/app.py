@@ -15,7 +15,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,15 +87,52 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
-class Api:
-    """The handlers, over one engine; :func:`build_app` routes to them."""
+@dataclass(frozen=True)
+class Load:
+    """What an admission rule sees when a request arrives."""
 
-    def __init__(self, engine: Any, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    #: Requests admitted by this server and not yet finished (exact: counted as they come and go).
+    in_flight: int
+    #: From the engine's last step: requests running, requests waiting (to be scheduled or for their K/V),
+    #: and the share of KV blocks held by requests.
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+#: An admission rule: True admits the request, False turns it away with 503 (load shedding).
+AdmissionRule = Callable[[Load], bool]
+
+
+class Api:
+    """The handlers, over one engine; :func:`build_app` routes to them.
+
+    ``admission``, when given, is asked before each completion is admitted: a request it refuses gets 503
+    ``{"error": {"type": "ServiceUnavailable", ...}}`` at once instead of a long wait in the queue.
+    """
+
+    def __init__(self, engine: Any, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+                 admission: AdmissionRule | None = None) -> None:
         self.engine, self.model_name, self.max_body_bytes = engine, model_name, max_body_bytes
         self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(engine.llm, model_name)
         self.max_model_len = engine.llm.max_model_len
+        self.admission = admission
+        self._live: set[str] = set()  # requests admitted and not yet over
+        #: Requests the admission rule turned away so far.
+        self.num_refused = 0
         self._token_text: dict[int, str] = {}
+
+    def load(self) -> Load:
+        """The server's load now (see :class:`Load`)."""
+        running, waiting, kv_usage = self.metrics.engine.load()
+        return Load(len(self._live), running, waiting, kv_usage)
+
+    def _admit(self) -> None:
+        if self.admission is not None and not self.admission(self.load()):
+            self.num_refused += 1
+            raise ApiError("the server is at capacity and turned this request away; retry later", status=503,
+                           kind="ServiceUnavailable")
 
     def token_text(self, token_id: int) -> str:
         """One token as text (cached: logprobs name every alternative)."""
@@ -143,11 +182,19 @@ class Api:
         """A completion or chat completion of the request ``body`` (which arrived at ``arrival``, a
         ``perf_counter`` time), streamed or whole."""
         parsed = (parse_chat if chat else parse_completion)(body, self.model_name)
+        self._admit()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream, first = await self._start(parsed, request_id, arrival)
+        self._live.add(request_id)
+        try:
+            stream, first = await self._start(parsed, request_id, arrival)
+        except BaseException:
+            self._live.discard(request_id)
+            raise
         if parsed.stream:
-            return StreamingResponse(self._events(parsed, request_id, stream, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            events = self._events(parsed, request_id, stream, first)
+            # Over when the events end, or, if the client left before they began, when they are dropped.
+            weakref.finalize(events, self._live.discard, request_id)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, rows, delta = [], [], first
         try:
             while True:
@@ -159,6 +206,7 @@ class Api:
                 delta = await stream.__anext__()
         finally:
             await stream.aclose()
+            self._live.discard(request_id)
         prompt_tokens, completion_tokens = self._finished(delta)
         content = "".join(text)
         if chat:
@@ -225,6 +273,7 @@ class Api:
                 delta = await stream.__anext__()
         finally:
             await stream.aclose()  # (aborts the request unless it finished)
+            self._live.discard(request_id)
 
     # ---------------------------------------------------------------------------------------- others
     async def tokenize(self, request: Request) -> Response:
@@ -260,9 +309,11 @@ class Api:
                                             "owned_by": "minipd", "max_model_len": self.max_model_len}]}
 
 
-def build_app(engine: Any, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an :class:`~minipd.async_llm.AsyncLLM`) as ``model_name``."""
-    api = Api(engine, model_name, max_body_bytes)
+def build_app(engine: Any, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
+              admission: AdmissionRule | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an :class:`~minipd.async_llm.AsyncLLM`) as ``model_name``; see
+    :class:`Api` for ``admission``."""
+    api = Api(engine, model_name, max_body_bytes, admission)
     app = FastAPI(title="minipd", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
 
@@ -319,4 +370,4 @@ def build_app(engine: Any, model_name: str, max_body_bytes: int = MAX_BODY_BYTES
     return app
 
 
-__all__ = ["MAX_BODY_BYTES", "Api", "build_app", "read_json", "until_disconnect"]
+__all__ = ["MAX_BODY_BYTES", "AdmissionRule", "Api", "Load", "build_app", "read_json", "until_disconnect"]

@@ -44,22 +44,32 @@ class EngineCollector(Collector):
         with self._lock:
             self._latest[stats.worker] = stats
 
+    def load(self) -> tuple[int, int, float]:
+        """(requests running, requests waiting, share of KV blocks in use) after the engine's last step (each
+        worker's, summed); no request runs or waits when the engine is idle."""
+        with self._lock:
+            latest = list(self._latest.values())
+        if not self.llm.engine.has_unfinished_requests():
+            running = waiting = 0
+        else:
+            running = sum(s.num_running for s in latest)
+            waiting = sum(s.num_waiting + s.num_waiting_for_kv for s in latest)
+        used, total = sum(s.kv_blocks_used for s in latest), sum(s.kv_blocks_used + s.kv_blocks_free for s in latest)
+        return running, waiting, used / total if total else 0.0
+
     def collect(self) -> Iterator[Any]:
         label = [self.model_name]
         with self._lock:
             latest = list(self._latest.values())
         counters = self.llm.engine.processor.counters
         finished = _copy(counters.finished)
-        idle = not self.llm.engine.has_unfinished_requests()
-        running = 0 if idle else sum(s.num_running for s in latest)
-        waiting = 0 if idle else sum(s.num_waiting + s.num_waiting_for_kv for s in latest)
-        used, total = sum(s.kv_blocks_used for s in latest), sum(s.kv_blocks_used + s.kv_blocks_free for s in latest)
+        running, waiting, kv_usage = self.load()
         families = [
             ("vllm:num_requests_running", "Requests in the engine's running batch.", running, GaugeMetricFamily),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled (or for their K/V).", waiting,
              GaugeMetricFamily),
-            ("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (1 = full).",
-             used / total if total else 0.0, GaugeMetricFamily),
+            ("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (1 = full).", kv_usage,
+             GaugeMetricFamily),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              sum(s.prefix_queried_tokens for s in latest), CounterMetricFamily),
             ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache served.",
@@ -95,7 +105,9 @@ class ServerMetrics:
     def __init__(self, llm: Any, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(llm, model_name))
+        #: The engine's side: counters, and the load after its last step.
+        self.engine = EngineCollector(llm, model_name)
+        self.registry.register(self.engine)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(model_name)

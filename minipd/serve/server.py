@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=GRACE_S,
                         help=f"seconds requests in flight get to finish on shutdown (default {GRACE_S})")
     parser.add_argument("--max-body-bytes", type=int, default=None, help="largest request body taken")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="admission control: turn requests away (503) while this many are in flight")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +122,8 @@ class BackgroundServer:
 
     ``with BackgroundServer(engine, "tiny-py") as server:`` starts it (``server.url`` is
     ``http://127.0.0.1:PORT``, a free port unless one is given) and stops it on the way out; the engine is
-    the caller's to shut down.
+    the caller's to shut down. ``app_options`` go to :func:`~minipd.serve.app.build_app` (``admission``,
+    ``max_body_bytes``).
     """
 
     def __init__(self, engine: Any, model_name: str, host: str = "127.0.0.1", port: int = 0,
@@ -192,7 +195,11 @@ def main(args: argparse.Namespace) -> int:
           flush=True)
     engine = build_engine(args.model, options)
     try:
-        app = build_app(engine, name, args.max_body_bytes or MAX_BODY_BYTES)
+        limit = args.max_in_flight
+        if limit is not None and limit < 1:
+            raise ValueError(f"--max-in-flight must be >= 1, got {limit}")
+        admission = None if limit is None else (lambda load: load.in_flight < limit)
+        app = build_app(engine, name, args.max_body_bytes or MAX_BODY_BYTES, admission)
 
         def ready(url: str) -> None:
             print(f"minipd: serving {name} at {url}/v1 (OpenAI API; /metrics, /health)", flush=True)
