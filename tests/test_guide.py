@@ -1,0 +1,28 @@
+"""The deployment guide: each branch of the article's selection guide, from the numbers that decide it."""
+
+from __future__ import annotations
+
+import math
+
+from minipd.serve.guide import LatencyCurve, recommend
+
+
+def test_goodput_from_a_measured_curve_interpolates_where_an_slo_is_crossed():
+    curve = LatencyCurve((2, 8, 16, 32), (20, 30, 80, 400), (5, 6, 9, 20))
+    # At 16 req/s the worse ratio to an SLO is 9/15 (TPOT); at 32, 400/200 (TTFT): 1 is crossed 2/7 of the way.
+    assert math.isclose(curve.goodput(200, 15), 16 + 16 * (1 - 0.6) / (2 - 0.6))
+    assert curve.goodput(1000, 100) == 32  # never missed: the highest rate measured
+    assert curve.goodput(10, 100) == 0  # even the lowest misses
+
+
+def test_each_rule_of_the_guide():
+    short = recommend("llama-3-8b", 512, 128, rate=4)
+    assert short.deployment == "one dense instance" and short.predicted_goodput is None
+    assert recommend("llama-3-8b", 16000, 256, rate=2).deployment == "PD split + KV compression"
+    crowded = recommend("llama-3-8b", 2000, 500, rate=40)  # short prompts, but their cache overflows the device
+    assert crowded.deployment == "PD split + KV compression" and "does not fit" in crowded.reasons[-1]
+    assert recommend("deepseek-v3", 1000, 200, rate=4).deployment == "MoE + expert sharding"
+    assert recommend("llama-3-8b", 512, 128, rate=4, device_memory_gb=16).deployment.startswith("tensor parallel")
+    curve = LatencyCurve((1, 4), (50, 900), (10, 40))
+    assert math.isclose(recommend("llama-3-8b", 512, 128, rate=4, ttft_slo_ms=500, curve=curve).predicted_goodput,
+                        1 + 3 * (1 - 0.2) / (1.8 - 0.2))  # ratios 0.2 (TPOT 10/50), then 1.8 (TTFT 900/500)
