@@ -53,7 +53,7 @@ ALLOWED: dict[str, tuple[str, str]] = {
         ("minipd.kv.block_manager", "BlockAllocation"),
         ("minipd.kv.paged_pool", "PackedKV"),
         ("minipd.kv.spec", "KVSpec"),
-        ("minipd.pd.transport", "PoolLayout"),
+        ("minipd.pd.kv_layout", "PoolLayout"),
     ]
 }
 # The client/core-loop protocol (minipd.engine.core_messages), each name spelled out.

@@ -298,7 +298,7 @@ def test_kivi_needs_one_residual_slot_per_running_request(llm):
 def test_a_wire_format_packs_a_float_pool_and_unpacks_its_round_trip(name):
     """kv_transfer_dtype: what the receiver writes is exactly the per-token round trip of what was sent,
     in as many bytes as the codes and scales take, for any run of layers and any blocks."""
-    from minipd.pd.transport import QuantizedWire
+    from minipd.pd.kv_layout import QuantizedWire
 
     spec = KVSpec(3, 8, 2, 32, torch.float32)
     sender, receiver = PagedKVPool(spec, 10, "cpu"), PagedKVPool(spec, 10, "cpu")

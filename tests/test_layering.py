@@ -25,7 +25,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("minipd.llm_base", "minipd.llm", "minipd.async_llm"),
     ("minipd.pd",),
     ("minipd",),  # the package's lazy public exports
-    ("minipd.evaluation", "minipd.sim", "minipd.bench", "minipd.viz", "minipd.exercises"),
+    ("minipd.evaluation", "minipd.sim", "minipd.bench", "minipd.viz", "minipd.exercises", "minipd.serve"),
     ("minipd.cli", "minipd.__main__"),
 )
 

@@ -31,7 +31,8 @@ from minipd.kv.block_manager import BlockAllocation
 from minipd.kv.paged_pool import PackedKV
 from minipd.kv.spec import KVSpec
 from minipd.pd import messages as pm
-from minipd.pd.transport import PoolLayout, nixl_available
+from minipd.pd.kv_layout import PoolLayout
+from minipd.pd.transport import nixl_available
 from minipd.pd.worker import free_port
 from minipd.wire import Codec, WireError, cluster_secret, new_key
 

@@ -226,3 +226,15 @@ def test_an_admission_rule_turns_requests_away_while_the_server_is_full(llm):
         again = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert again.status_code == 200, (again.text, seen[-1])
         assert server.api.num_refused == 1 and server.api.load().in_flight == 0
+
+
+def test_the_serve_command_refuses_bad_options_before_loading(capsys):
+    from minipd.cli import main
+
+    assert main(["serve", "--kv-transfer", "pull"]) == 2
+    assert "--kv-transfer apply to a disaggregated engine" in capsys.readouterr().err
+    assert main(["serve", "--option", "not an option"]) == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+    assert main(["serve", "--max-in-flight", "0"]) == 2
+    assert main(["loadgen", "--goodput", "latency:5"]) == 2
+    assert "ttft:MS" in capsys.readouterr().err

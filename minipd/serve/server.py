@@ -190,14 +190,14 @@ def main(args: argparse.Namespace) -> int:
     from minipd.serve.app import MAX_BODY_BYTES, build_app
 
     options = engine_options(args)
+    limit = args.max_in_flight
+    if limit is not None and limit < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {limit}")
     name = args.served_model_name or str(args.model)
     print(f"minipd: loading {args.model} ({'disaggregated' if args.prefill_workers else 'colocated'})...",
           flush=True)
     engine = build_engine(args.model, options)
     try:
-        limit = args.max_in_flight
-        if limit is not None and limit < 1:
-            raise ValueError(f"--max-in-flight must be >= 1, got {limit}")
         admission = None if limit is None else (lambda load: load.in_flight < limit)
         app = build_app(engine, name, args.max_body_bytes or MAX_BODY_BYTES, admission)
 
