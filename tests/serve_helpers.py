@@ -1,5 +1,6 @@
 """A live server for tests: in this process (a thread of its own) or as ``python -m minipd serve``, always
-bounded in time and stopped, even when the test fails."""
+bounded in time and stopped, even when the test fails; and every request state a front end is given, kept
+for the checks (the async engine's tests use it too)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ import random
 
 import pytest
 from pd_helpers import needs_nixl, wait_until_blocks_free
+from serve_helpers import keep_states
 
 from minipd import LLM, AsyncLLM, DisaggregatedLLM, SamplingParams
 from minipd.errors import ParameterError
@@ -34,18 +35,6 @@ def reference() -> tuple[LLM, list, list, list[list[int]]]:
     llm = LLM("tiny-py", num_kv_blocks=1024)
     prompts, params = workload(llm)
     return llm, prompts, params, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def keep_states(processor) -> dict:
-    """Every request state the front end is given, kept here (it forgets a request once it finishes)."""
-    states, add = {}, processor.add
-
-    def adding(state) -> None:
-        states[state.request_id] = state
-        add(state)
-
-    processor.add = adding
-    return states
 
 
 async def storm(engine: AsyncLLM, prompts, params, states: dict) -> dict:

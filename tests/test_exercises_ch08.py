@@ -35,15 +35,9 @@ def search_scan(attainment_at, low, high, target=0.9, iterations=6):
 
 
 def search_returns_upper_end(attainment_at, low, high, target=0.9, iterations=6):
-    """Bisects, but returns the bracket's upper end: a rate not known to meet the target."""
-    if attainment_at(low) < target:
-        return 0.0
-    if attainment_at(high) >= target:
-        return high
-    for _ in range(iterations):
-        middle = (low + high) / 2
-        low, high = (middle, high) if attainment_at(middle) >= target else (low, middle)
-    return high
+    """Bisects, but returns the final bracket's upper end: a rate not known to meet the target."""
+    found = ch08.reference_search_goodput(attainment_at, low, high, target, iterations)
+    return found if found in (0.0, high) else found + (high - low) / 2 ** iterations
 
 
 def admit_ignoring_kv(load):

@@ -136,7 +136,7 @@ def test_the_load_generator_reconciles_with_the_servers_metrics(tmp_path):
         out = tmp_path / "run.json"
         run = subprocess.run([sys.executable, "-m", "minipd", "loadgen", "--url", server.url, "--rate", "20",
                               "--num-requests", "60", "--prompt-len", "16:96", "--output-len", "4:24", "--seed", "3",
-                              "--goodput", "ttft:500", "tpot:100", "--output", str(out)],
+                              "--goodput", "ttft:500", "tpot:100", "--warmup", "0", "--output", str(out)],
                              cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                              timeout=240)
         assert run.returncode == 0, run.stdout + run.stderr

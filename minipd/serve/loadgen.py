@@ -117,10 +117,11 @@ async def _one(client: Any, url: str, model: str, item: PlannedRequest, prompt: 
 
 
 async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | None = None,
-                   concurrency: int | None = None, timeout: float = 300.0,
-                   progress: bool = True) -> list[RequestResult]:
+                   concurrency: int | None = None, timeout: float = 300.0, progress: bool = True,
+                   warmup: int = 1) -> list[RequestResult]:
     """Send ``workload`` to the server at ``url``: at each request's ``send_at`` (open loop), or, with
-    ``concurrency``, that many at a time back to back (closed loop). Returns one result per request."""
+    ``concurrency``, that many at a time back to back (closed loop). Returns one result per request.
+    ``warmup`` requests are sent first and not counted (a fresh server's first steps pay one-time costs)."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -131,6 +132,9 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
         base = (await client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT})).json()["tokens"]
         prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i)
                    for i, item in enumerate(workload)]
+        for i in range(warmup):
+            await _one(client, url, model, PlannedRequest(0.0, 16, 4), prompt_ids(base, 16, 10_000 + i), 0.0,
+                       RequestResult(intended=0.0))
         results = [RequestResult(intended=item.send_at) for item in workload]
         bar = tqdm(total=len(workload), desc="requests", disable=not progress, leave=False)
         start = time.perf_counter()
@@ -247,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SLOs (ttft:MS tpot:MS e2el:MS) for request_goodput and attainment")
     parser.add_argument("--search-goodput", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),
                         help="find DistServe's goodput: the highest rate in [LOW, HIGH] with >= 90%% attainment")
+    parser.add_argument("--warmup", type=int, default=1, help="requests sent first and not counted (default 1)")
     parser.add_argument("--output", default=None, help="write the JSON summary here")
     return parser
 
@@ -263,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   args.seed)
 
     def run_at(rate: float) -> list[RequestResult]:
-        return asyncio.run(run_load(args.url, plan(rate), args.model, args.concurrency))
+        return asyncio.run(run_load(args.url, plan(rate), args.model, args.concurrency, warmup=args.warmup))
 
     if args.search_goodput:
         if slo is None:

@@ -40,6 +40,12 @@ class EngineCollector(Collector):
         self._lock = threading.Lock()
         llm.engine.core.step_callbacks.append(self._on_step)
 
+    def close(self) -> None:
+        """Stop listening to the engine's steps (the engine may outlive this server)."""
+        callbacks = self.llm.engine.core.step_callbacks
+        if self._on_step in callbacks:
+            callbacks.remove(self._on_step)
+
     def _on_step(self, stats: StepStats) -> None:  # (the engine's owner thread)
         with self._lock:
             self._latest[stats.worker] = stats
