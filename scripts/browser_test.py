@@ -61,6 +61,14 @@ SLIDERS: dict[str, Slider] = {
     "03_kv_cache": Slider("block_pool_stepper(", "step", "ArrowRight"),
     # scheduler explorer: the token budget starts at its largest setting
     "04_batching": Slider("scheduler_explorer(", "max_num_batched_tokens", "ArrowLeft"),
+    # layer-wise K/V transfer: the prompt starts at 4096 tokens
+    "05_pd_disaggregation": Slider("layerwise_explorer(", "prompt tokens", "ArrowRight"),
+    # quality explorer: a press at a budget of 64 tokens; each move measures again and adds a bar
+    "06_kv_compression": Slider("quality_explorer(", "budget", "ArrowRight"),
+    # recorded routing: top-2 to start with
+    "07_moe": Slider("routing_explorer(", "top-k", "ArrowRight"),
+    # deployment guide: the request rate starts at 4 req/s; more requests in flight grow the KV bar
+    "08_serving": Slider("def show_advice", "requests/s", "ArrowRight"),
 }
 
 

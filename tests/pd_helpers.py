@@ -62,18 +62,23 @@ def assert_gone(pids: list[int]) -> None:
 
 def run_killing(pd: DisaggregatedLLM, prompts, params, role: str, after_tokens: int, sig: int = signal.SIGKILL):
     """Send every request, send ``sig`` (SIGKILL: kill) to the last worker of ``role`` once ``after_tokens``
-    tokens came back, and finish every request."""
+    tokens came back (``0``: as soon as it holds a request), and finish every request."""
     victim = pd.worker_pids()[role][-1]
     ids = [pd.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     states = [pd.processor.states[i] for i in ids]
     received, deadline = 0, time.monotonic() + 120
-    if after_tokens <= 0:  # at once, with every request still in flight
-        os.kill(victim, sig)
-        victim = 0
+
+    def holds_requests() -> bool:
+        # (In push modes a prompt reaches its prefill worker only once a decode worker has reserved blocks.)
+        return any(w.pid == victim and w.requests for w in pd.workers.workers.values())
+
     while not all(s.finished for s in states):
+        if victim and after_tokens <= 0 and holds_requests():  # at once, with its prompts in flight
+            os.kill(victim, sig)
+            victim = 0
         assert time.monotonic() < deadline, "requests not finished in 120 s"
         received += len(pd.step())
-        if victim and received >= after_tokens:
+        if victim and 0 < after_tokens <= received:
             os.kill(victim, sig)
             victim = 0
     assert victim == 0, "the run ended before the worker could be killed"

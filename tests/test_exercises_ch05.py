@@ -142,3 +142,15 @@ def test_kv_bytes_match_what_disaggregated_llm_moves() -> None:
     dtype_bytes = llm.engine.pool.k.element_size()
     assert [o.metrics.kv_transfer_bytes for o in outputs] == [
         ch05.reference_kv_transfer_bytes(shape, len(p), 16, dtype_bytes) for p in prompts]
+
+
+def test_the_layerwise_figure_agrees_with_the_exercise_reference():
+    """The chapter's layer-wise transfer figure and exercise 2's reference time the same K/V arrival."""
+    from minipd.viz.pd import draw_layerwise, layerwise_transfer
+
+    for prefill_s, transfer_s, layers in ((0.032, 0.004, 32), (0.010, 0.050, 8), (0.02, 0.02, 4)):
+        plan = layerwise_transfer(prefill_s, transfer_s / layers, layers, 1.0)
+        assert abs(plan["kv_ready"] - ch05.reference_kv_ready_time(prefill_s, transfer_s, layers, "layerwise")) < 1e-12
+        assert 0.0 <= plan["hidden_share"] <= 1.0
+    ax = draw_layerwise("llama-3-8b", 4096, "400G IB", 50e9)
+    assert "llama-3-8b, 4096 tokens, 400G IB" in ax.get_title() and len(ax.patches) == 2 * 32

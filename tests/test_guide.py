@@ -26,3 +26,14 @@ def test_each_rule_of_the_guide():
     curve = LatencyCurve((1, 4), (50, 900), (10, 40))
     assert math.isclose(recommend("llama-3-8b", 512, 128, rate=4, ttft_slo_ms=500, curve=curve).predicted_goodput,
                         1 + 3 * (1 - 0.2) / (1.8 - 0.2))  # ratios 0.2 (TPOT 10/50), then 1.8 (TTFT 900/500)
+
+
+def test_the_numbers_behind_the_advice_and_their_figure():
+    from minipd.viz.serving import plot_deployment
+
+    long = recommend("llama-3-8b", 16000, 256, rate=2)
+    assert math.isclose(long.weights_gb, 16.06, rel_tol=0.01) and long.device_gb == 80
+    assert 40 < long.kv_gb < 80 and long.weights_gb + long.kv_gb < long.device_gb  # too long, not too big
+    assert recommend("deepseek-v3", 1000, 200, rate=4).kv_gb == 0  # the weights alone decided
+    ax = plot_deployment(long)
+    assert ax.get_title() == "recommended: PD split + KV compression" and len(ax.patches) == 2

@@ -138,3 +138,26 @@ def test_paged_kv_takes_other_tables_and_checks_them():
         plot_paged_kv({"x": (20, [0])}, num_blocks=4)
     with pytest.raises(ValueError, match="block ids"):
         plot_paged_kv({"x": (5, [9])}, num_blocks=4)
+
+
+def test_the_compressed_cache_diagrams_show_what_they_say():
+    from minipd.viz.kv_diagrams import plot_adaptive_pages, plot_kivi_residual, plot_scale_sharing
+
+    axes = plot_scale_sharing(tokens=8, channels=8, group=4)
+    groups = [len(set(ax.images[0].get_array().ravel().tolist())) for ax in axes]
+    assert groups == [1, 8, 8, 10]  # 16 groups drawn in a palette of 10 colours: every colour in use
+    assert [ax.get_title().split(":")[1].strip() for ax in axes] == ["1 scale", "8 scales", "8 scales", "16 scales"]
+    ax = plot_kivi_residual(blocks=4, block_size=4, filled=3)
+    empty = [p for p in ax.patches if p.get_facecolor()[:3] == (1.0, 1.0, 1.0)]
+    assert len(empty) == 1  # one slot of the filling block still to write
+    ax = plot_adaptive_pages(usage=(0.1, 0.6, 0.4, 0.2), thresholds=(0.3, 0.5))
+    colours = [p.get_facecolor()[:3] for p in ax.patches]
+    blue, purple = colours[0], colours[1]
+    assert colours == [blue, purple, purple, blue]  # compress above 50%, keep compressing until under 30%
+
+
+def test_the_resilience_diagram_has_its_three_panels():
+    from minipd.viz.pd_diagrams import plot_pd_resilience
+
+    axes = plot_pd_resilience()
+    assert [ax.get_title().split(":")[0] for ax in axes] == ["recovery", "snapshots", "backpressure"]

@@ -160,6 +160,7 @@ def plot_balancing(runs: list[BalancingRun], axes=None):
         axes[1].plot(run.train_imbalance, label=run.method)
     axes[0].set(xlabel="step", ylabel="next-token loss (train batch)")
     axes[1].set(xlabel="step", ylabel="hottest expert / mean load")
-    axes[0].legend(fontsize="small")
-    axes[1].legend()
+    # Beneath the panels: a legend inside would hide the curves' dips.
+    axes[0].legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=len(runs), frameon=False)
     return axes

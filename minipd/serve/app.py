@@ -233,8 +233,9 @@ class Api:
 
     async def _events(self, parsed: ParsedRequest, request_id: str, stream: AsyncIterator[StreamDelta],
                       first: StreamDelta) -> AsyncIterator[bytes]:
-        """The server-sent events of one streamed request: a chunk per delta that carries something, the
-        usage chunk when asked for, then ``[DONE]``. Closed early (the client left), it aborts the request."""
+        """The server-sent events of one streamed request: a chunk per token (its text may be empty while held
+        back), the usage chunk when asked for, then ``[DONE]``. Closed early (the client left), it aborts the
+        request."""
         chat, created, offset = parsed.chat, now(), 0
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -252,7 +253,9 @@ class Api:
             delta: StreamDelta | None = first
             while delta is not None:
                 rows = [delta.logprobs] if delta.logprobs is not None else []
-                if delta.text or rows or delta.finished:
+                # A chunk per token, also when its text is still held back (a partial character, a possible
+                # stop string): clients time tokens by chunks, as they do with vLLM.
+                if delta.token_id is not None or delta.finished:
                     if chat:
                         choice: dict[str, Any] = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
                                                   "logprobs": self._chat_logprobs(parsed, rows) if rows else None,

@@ -61,6 +61,11 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
     #: Requests/s at the SLOs, when a measured curve was given (for one instance of the measured engine).
     predicted_goodput: float | None = None
+    #: The numbers behind it, in GB: the weights, the KV cache of the requests in flight (0 when the weights
+    #: alone decided), and one device's memory.
+    weights_gb: float = 0.0
+    kv_gb: float = 0.0
+    device_gb: float = 0.0
 
 
 def recommend(model: str, prompt_tokens: int, output_tokens: int, rate: float, ttft_slo_ms: float = 500.0,
@@ -81,9 +86,9 @@ def recommend(model: str, prompt_tokens: int, output_tokens: int, rate: float, t
         if params.active < 0.5 * params.total:
             reasons.append(f"the weights need {devices}+ devices; each token uses {params.active / params.total:.0%} "
                            "of them, so shard the experts (expert parallelism) and keep attention replicated")
-            return Recommendation("MoE + expert sharding", reasons, goodput)
+            return Recommendation("MoE + expert sharding", reasons, goodput, weights_gb, 0.0, device_memory_gb)
         reasons.append(f"the weights need {devices}+ devices and every token uses all of them: tensor parallelism")
-        return Recommendation("tensor parallel (dense, sharded)", reasons, goodput)
+        return Recommendation("tensor parallel (dense, sharded)", reasons, goodput, weights_gb, 0.0, device_memory_gb)
     kv_token = kv_bytes_per_token(config, 2)
     seconds_each = (ttft_slo_ms + output_tokens * tpot_slo_ms) / 1000  # at the SLOs: an upper bound in practice
     in_flight = rate * seconds_each  # Little's law
@@ -97,9 +102,10 @@ def recommend(model: str, prompt_tokens: int, output_tokens: int, rate: float, t
             "the cache of the requests in flight does not fit"
         reasons.append(f"{why}: split prefill and decode, and keep K/V in int8 (half of bf16's bytes: "
                        f"{kv_needed / 2e9:.1f} GB)")
-        return Recommendation("PD split + KV compression", reasons, goodput)
+        return Recommendation("PD split + KV compression", reasons, goodput, weights_gb, kv_needed / 1e9,
+                              device_memory_gb)
     reasons.append("short requests that fit: one dense instance, no KV transfer over the network")
-    return Recommendation("one dense instance", reasons, goodput)
+    return Recommendation("one dense instance", reasons, goodput, weights_gb, kv_needed / 1e9, device_memory_gb)
 
 
 __all__ = ["LatencyCurve", "Recommendation", "recommend"]

@@ -1,6 +1,6 @@
 """``python -m minipd loadgen``: load-test an OpenAI-compatible server and report what its users would see.
 
-Requests go to ``/v1/completions`` as streams (with ``ignore_eos``, so every request produces exactly the
+Requests go to ``/v1/completions`` as streams (over aiohttp) (with ``ignore_eos``, so every request produces exactly the
 output length planned, and ``include_usage``, so token counts are the server's, never re-tokenised) on a
 seeded schedule (:mod:`minipd.serve.workload`): open loop at ``--rate`` (Poisson or gamma arrivals, or a
 trace), or closed loop with ``--concurrency`` users each sending the next request when the last ends.
@@ -81,7 +81,7 @@ class Slo:
         return cls(**values)
 
 
-async def _one(client: Any, url: str, model: str, item: PlannedRequest, prompt: list[int] | str,
+async def _one(session: Any, url: str, model: str, item: PlannedRequest, prompt: list[int] | str,
                start: float, result: RequestResult) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": item.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -89,11 +89,12 @@ async def _one(client: Any, url: str, model: str, item: PlannedRequest, prompt: 
     result.sent = sent - start
     last = sent
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # one server-sent-event line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: "):
                     continue
                 data = line[6:]
@@ -122,14 +123,17 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
     """Send ``workload`` to the server at ``url``: at each request's ``send_at`` (open loop), or, with
     ``concurrency``, that many at a time back to back (closed loop). Returns one result per request.
     ``warmup`` requests are sent first and not counted (a fresh server's first steps pay one-time costs)."""
-    import httpx
+    # aiohttp rather than httpx: measured here, httpx's streaming added about 4 ms to every time to first token.
+    import aiohttp
     from tqdm.auto import tqdm
 
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: the schedule, not the pool, sets the load
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
         if model is None:
-            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        base = (await client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT})).json()["tokens"]
+            async with client.get(f"{url}/v1/models") as response:
+                model = (await response.json())["data"][0]["id"]
+        async with client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT}) as response:
+            base = (await response.json())["tokens"]
         prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i)
                    for i, item in enumerate(workload)]
         for i in range(warmup):

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 #: One colour per cache format, the same in every plot.
 FORMAT_COLORS = {"auto": "tab:blue", "int8": "tab:green", "int4": "tab:red", "adaptive": "tab:purple"}
+FORMAT_STYLES = {"auto": {"marker": "o", "ls": "-"}, "int8": {"marker": "s", "ls": "--", "ms": 8, "mfc": "none"},
+                 "int4": {"marker": "^", "ls": "-.", "ms": 9, "mfc": "none"},
+                 "adaptive": {"marker": "x", "ls": ":", "ms": 7}}
 
 
 def plot_formats_under_load(results: Sequence[LoadResult], axes: Sequence[Axes] | None = None) -> Any:
@@ -31,8 +34,9 @@ def plot_formats_under_load(results: Sequence[LoadResult], axes: Sequence[Axes] 
     for ax, (_, value, label) in zip(axes, panels, strict=True):
         for variant in dict.fromkeys(r.variant for r in results):
             rows = sorted((r for r in results if r.variant == variant), key=lambda r: r.num_requests)
-            ax.plot([r.num_requests for r in rows], [value(r) for r in rows], "o-", label=variant,
-                    color=FORMAT_COLORS.get(variant))
+            # Distinct markers and dashes: formats that coincide (int8 and int4 often do) stay visible.
+            ax.plot([r.num_requests for r in rows], [value(r) for r in rows], label=variant,
+                    color=FORMAT_COLORS.get(variant), **FORMAT_STYLES.get(variant, {"marker": "o"}))
         ax.set_xlabel("requests in the burst")
         ax.set_ylabel(label)
         ax.set_xscale("log", base=2)
@@ -63,6 +67,7 @@ def plot_adaptive_timeline(stats: Sequence[StepStats], thresholds: tuple[float, 
     twin.plot(steps, [s.num_compressed_running for s in stats], color="tab:purple", label="of them compressed")
     twin.set_ylabel("requests")
     lines = ax.get_lines()[:1] + twin.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], loc="lower right")
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper left", bbox_to_anchor=(1.08, 1.0),
+              frameon=False)  # beside the plot: inside, it covered the curves
     ax.set_title("shaded: new requests are compressed")
     return ax

@@ -6,6 +6,7 @@ seconds) whenever the choice changes. ipywidgets and matplotlib are imported ins
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 #: What the method menu offers: quantized formats, then presses (which take the budget).
@@ -30,7 +31,8 @@ def quality_explorer(model: str = "tiny-py", window: int = 256) -> Any:
 
     from minipd.evaluation.kv_quality import format_table, measure
 
-    method = widgets.Dropdown(options=[*QUANT_METHODS, *PRESS_METHODS], value="int8", description="method")
+    # A press first: its budget slider is live from the start (a quantized format has no budget).
+    method = widgets.Dropdown(options=[*QUANT_METHODS, *PRESS_METHODS], value=PRESS_METHODS[0], description="method")
     budget = widgets.IntSlider(value=64, min=32, max=window - 16, step=16, description="budget",
                                continuous_update=False)
     on_top = widgets.Checkbox(value=False, description="int8 on top (presses)")
@@ -69,3 +71,22 @@ def quality_explorer(model: str = "tiny-py", window: int = 256) -> Any:
     explorer = QualityExplorer([widgets.HBox([method, budget, on_top]), out])
     explorer.reports = history  # the last choices' QualityReports, newest last
     return explorer
+
+
+def plot_quality_vs_bytes(reports: Sequence[Any], ax: Any = None) -> Any:
+    """Each measured KV format or press as a point: bytes per token against an fp16 cache, and the greedy tokens
+    equal to full precision; the static counterpart of :func:`quality_explorer`."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
+    for r in reports:
+        evicts = r.kept < 1.0
+        ax.scatter(r.bytes_vs_fp16, 100 * r.greedy_equal, marker="o" if evicts else "s",
+                   color="tab:orange" if evicts else "tab:blue", s=45)
+        ax.annotate(r.method, (r.bytes_vs_fp16, 100 * r.greedy_equal), textcoords="offset points", xytext=(5, 3),
+                    fontsize=8)
+    ax.set(xscale="log", xlabel="KV bytes per token / an fp16 cache's (log)", ylim=(0, 105),
+           ylabel="greedy tokens equal to full precision (%)",
+           title="what each format (squares) and press (circles) keeps, and what it costs")
+    return ax
