@@ -238,3 +238,14 @@ def test_the_serve_command_refuses_bad_options_before_loading(capsys):
     assert main(["serve", "--max-in-flight", "0"]) == 2
     assert main(["loadgen", "--goodput", "latency:5"]) == 2
     assert "ttft:MS" in capsys.readouterr().err
+
+
+def test_a_chat_without_a_token_limit_may_use_the_rest_of_the_context(llm, server):
+    messages = [{"role": "user", "content": "Write a function that reverses a list."}]
+    prompt_len = len(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages)))
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=llm.max_model_len - prompt_len),
+                    use_tqdm=False)[0]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    got = client.chat.completions.create(model="tiny-py", messages=messages, temperature=0)  # no max_tokens
+    assert got.choices[0].message.content == want.text and got.usage.completion_tokens == len(want.token_ids)
+    assert len(want.token_ids) > 16  # (so the test shows more than completions' legacy default of 16)

@@ -12,6 +12,7 @@ when the client is gone, aborts its request on the way out — its KV blocks com
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -158,6 +159,8 @@ class Api:
         if len(ids) >= self.max_model_len:
             raise ApiError(f"this model's context is {self.max_model_len} tokens; the prompt has {len(ids)}",
                            param=where)
+        if parsed.until_context:
+            parsed.params = dataclasses.replace(parsed.params, max_tokens=self.max_model_len - len(ids))
         if len(ids) + parsed.params.max_tokens > self.max_model_len:  # (the engine would cap it; OpenAI refuses)
             raise ApiError(f"this model's context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
                            f"max_tokens asks for {parsed.params.max_tokens} more", param=parsed.max_tokens_field)

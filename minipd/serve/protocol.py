@@ -63,6 +63,9 @@ class ParsedRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The field that set ``max_tokens`` (chat's newer name is ``max_completion_tokens``), for errors.
     max_tokens_field: str = "max_tokens"
+    #: Chat without a token limit: the reply may use the rest of the model's context (OpenAI's and vLLM's
+    #: default), set once the prompt's length is known.
+    until_context: bool = False
 
 
 def _is_int(value: Any) -> bool:
@@ -214,7 +217,8 @@ def parse_chat(body: dict[str, Any], model_name: str) -> ParsedRequest:
     stream, usage = _stream_options(body)
     return ParsedRequest("", params, stream, usage, messages=messages, chat=True,
                          extra={"add_generation_prompt": body.get("add_generation_prompt", True),
-                                "chat_template": body.get("chat_template")}, max_tokens_field=param)
+                                "chat_template": body.get("chat_template")}, max_tokens_field=param,
+                         until_context=max_tokens is None)
 
 
 # ------------------------------------------------------------------------------------------------ responses
