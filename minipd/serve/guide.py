@@ -36,20 +36,15 @@ class LatencyCurve:
     def goodput(self, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
         """The highest rate whose P90s meet both SLOs, interpolated linearly between measured rates
         (0 if even the lowest misses; the highest measured if none misses: a lower bound then)."""
-        def ok(i: int) -> bool:
-            return self.p90_ttft_ms[i] <= ttft_slo_ms and self.p90_tpot_ms[i] <= tpot_slo_ms
-
-        if not self.rates or not ok(0):
+        # At each rate, the worse of the two P90s as a share of its SLO: met while <= 1.
+        excess = [max(ttft / ttft_slo_ms, tpot / tpot_slo_ms) for ttft, tpot in zip(self.p90_ttft_ms,
+                                                                                     self.p90_tpot_ms, strict=True)]
+        if not excess or excess[0] > 1:
             return 0.0
         for i in range(1, len(self.rates)):
-            if not ok(i):
-                # How far towards rate i the worse of the two ratios to its SLO stays under 1.
-                def excess(j: int) -> float:
-                    return max(self.p90_ttft_ms[j] / ttft_slo_ms, self.p90_tpot_ms[j] / tpot_slo_ms)
-
-                lo, hi = excess(i - 1), excess(i)
-                share = (1.0 - lo) / (hi - lo) if hi > lo else 0.0
-                return self.rates[i - 1] + share * (self.rates[i] - self.rates[i - 1])
+            if excess[i] > 1:  # crossed between rates i - 1 and i: interpolate where it reaches 1
+                lo, hi = excess[i - 1], excess[i]
+                return self.rates[i - 1] + (1.0 - lo) / (hi - lo) * (self.rates[i] - self.rates[i - 1])
         return self.rates[-1]
 
 

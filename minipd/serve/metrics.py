@@ -50,11 +50,15 @@ class EngineCollector(Collector):
         with self._lock:
             self._latest[stats.worker] = stats
 
-    def load(self) -> tuple[int, int, float]:
-        """(requests running, requests waiting, share of KV blocks in use) after the engine's last step (each
-        worker's, summed); no request runs or waits when the engine is idle."""
+    def latest(self) -> list[StepStats]:
+        """Each worker's last step record ("" names a colocated engine's)."""
         with self._lock:
-            latest = list(self._latest.values())
+            return list(self._latest.values())
+
+    def load(self, latest: list[StepStats] | None = None) -> tuple[int, int, float]:
+        """(requests running, requests waiting, share of KV blocks in use) after the engine's last step (each
+        worker's, summed; ``latest`` when already read); no request runs or waits when the engine is idle."""
+        latest = self.latest() if latest is None else latest
         if not self.llm.engine.has_unfinished_requests():
             running = waiting = 0
         else:
@@ -65,11 +69,10 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         label = [self.model_name]
-        with self._lock:
-            latest = list(self._latest.values())
+        latest = self.latest()
         counters = self.llm.engine.processor.counters
         finished = _copy(counters.finished)
-        running, waiting, kv_usage = self.load()
+        running, waiting, kv_usage = self.load(latest)
         families = [
             ("vllm:num_requests_running", "Requests in the engine's running batch.", running, GaugeMetricFamily),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled (or for their K/V).", waiting,

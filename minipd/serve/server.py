@@ -92,14 +92,19 @@ def build_engine(model: str, options: dict[str, Any]) -> Any:
     return AsyncLLM.from_llm(llm, owned=True)
 
 
+def uvicorn_server(app: Any, host: str, port: int, grace: float) -> Any:
+    """A uvicorn server for ``app``: quiet (warnings only, no access log), no lifespan events, and ``grace``
+    seconds for requests in flight when it is told to stop."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                         lifespan="off", timeout_graceful_shutdown=max(grace, 0.01)))
+
+
 async def serve_app(app: Any, host: str, port: int, grace: float,
                     on_ready: Callable[[str], None] | None = None) -> None:
     """Run ``app`` on uvicorn until SIGTERM/SIGINT (or until the task is cancelled); ``on_ready`` gets the URL."""
-    import uvicorn
-
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=max(grace, 0.01), lifespan="off")
-    server = uvicorn.Server(config)
+    server = uvicorn_server(app, host, port, grace)
 
     async def announce() -> None:
         while not server.started:
@@ -130,15 +135,11 @@ class BackgroundServer:
                  grace: float = GRACE_S, **app_options: Any) -> None:
         import threading
 
-        import uvicorn
-
         from minipd.serve.app import build_app
 
         self.engine, self.model_name = engine, model_name
         self.app = build_app(engine, model_name, **app_options)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off",
-                                                     timeout_graceful_shutdown=max(grace, 0.01)))
+        self._server = uvicorn_server(self.app, host, port, grace)
         self._thread = threading.Thread(target=self._run, name="minipd-server", daemon=True)
         self.url = ""
         #: The event loop the server runs in (set once started): coroutines may be sent to it.
