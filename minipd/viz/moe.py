@@ -554,6 +554,8 @@ def routing_explorer(logits: torch.Tensor, title: str = "") -> Any:
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
+    from minipd.viz.explorer import explorer_box
+
     experts = logits.shape[1]
     top_k = widgets.IntSlider(value=2, min=1, max=experts, description="top-k", continuous_update=False)
     factor = widgets.FloatSlider(value=1.25, min=0.5, max=4.0, step=0.25, description="capacity",
@@ -576,10 +578,7 @@ def routing_explorer(logits: torch.Tensor, title: str = "") -> Any:
         control.observe(draw, names="value")
     draw()
 
-    class RoutingExplorer(widgets.VBox):
-        def __repr__(self) -> str:  # what a notebook viewer without a kernel shows instead of the widget
-            return "<routing explorer: it needs a live kernel (the capacity sweep above is the static version)>"
-
-    explorer = RoutingExplorer([widgets.HBox([top_k, factor, policy]), out])
+    explorer = explorer_box([widgets.HBox([top_k, factor, policy]), out], "routing explorer",
+                            "the capacity sweep above is the static version")
     explorer.shown = shown  # the CapacityLoad drawn last
     return explorer

@@ -113,6 +113,8 @@ def layerwise_explorer(links: Mapping[str, float], models: tuple[str, ...] = ("l
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
+    from minipd.viz.explorer import explorer_box
+
     model = widgets.Dropdown(options=list(models), description="model")
     prompt = widgets.SelectionSlider(options=[256, 512, 1024, 2048, 4096, 8192, 16384, 32768], value=4096,
                                      description="prompt tokens", continuous_update=False,
@@ -130,8 +132,5 @@ def layerwise_explorer(links: Mapping[str, float], models: tuple[str, ...] = ("l
         control.observe(redraw, names="value")
     redraw()
 
-    class LayerwiseExplorer(widgets.VBox):
-        def __repr__(self) -> str:  # what a notebook viewer without a kernel shows instead of the widget
-            return "<layer-wise transfer explorer: it needs a live kernel (see the static figure above)>"
-
-    return LayerwiseExplorer([widgets.HBox([model, prompt, link]), out])
+    return explorer_box([widgets.HBox([model, prompt, link]), out], "layer-wise transfer explorer",
+                        "see the static figure above")

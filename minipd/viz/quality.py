@@ -30,6 +30,7 @@ def quality_explorer(model: str = "tiny-py", window: int = 256) -> Any:
     import matplotlib.pyplot as plt
 
     from minipd.evaluation.kv_quality import format_table, measure
+    from minipd.viz.explorer import explorer_box
 
     # A press first: its budget slider is live from the start (a quantized format has no budget).
     method = widgets.Dropdown(options=[*QUANT_METHODS, *PRESS_METHODS], value=PRESS_METHODS[0], description="method")
@@ -64,11 +65,8 @@ def quality_explorer(model: str = "tiny-py", window: int = 256) -> Any:
         control.observe(draw, names="value")
     draw()
 
-    class QualityExplorer(widgets.VBox):
-        def __repr__(self) -> str:  # what a notebook viewer without a kernel shows instead of the widget
-            return "<KV quality explorer: it needs a live kernel (the tables above are the static version)>"
-
-    explorer = QualityExplorer([widgets.HBox([method, budget, on_top]), out])
+    explorer = explorer_box([widgets.HBox([method, budget, on_top]), out], "KV quality explorer",
+                            "the tables above are the static version")
     explorer.reports = history  # the last choices' QualityReports, newest last
     return explorer
 

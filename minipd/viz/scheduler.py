@@ -247,6 +247,8 @@ def scheduler_explorer(draw: Callable[[int, int], object], budgets: Sequence[int
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
+    from minipd.viz.explorer import explorer_box
+
     if not budgets or not caps:
         raise ValueError("scheduler_explorer needs at least one budget and one cap")
     style = {"description_width": "initial"}
@@ -268,8 +270,5 @@ def scheduler_explorer(draw: Callable[[int, int], object], budgets: Sequence[int
     cap_slider.observe(redraw, names="value")
     redraw()
 
-    class SchedulerExplorer(widgets.VBox):
-        def __repr__(self) -> str:  # what a notebook viewer without a kernel shows instead of the widget
-            return "<scheduler explorer: it needs a live kernel (see the static figure above)>"
-
-    return SchedulerExplorer([widgets.HBox([budget_slider, cap_slider]), out])
+    return explorer_box([widgets.HBox([budget_slider, cap_slider]), out], "scheduler explorer",
+                        "see the static figure above")
