@@ -206,10 +206,12 @@ def test_spawned_workers_listen_on_loopback_only_and_drop_what_they_cannot_trust
         send_raw(f"ipc://{pd.workers.folder}/out", pickle.dumps(Payload(marker)), pickle.dumps({"kind": "error"}))
         assert [o.token_ids for o in pd.generate(PROMPTS, GREEDY)] == expected
         addresses = listening(pids)
-        if kv_transport == "torch":  # rank 0 hosts the store; gloo's pairs listen too
+        front_end = listening([os.getpid()])
+        if kv_transport == "torch":  # gloo's pairs listen; the front end serves the workers' store
             assert addresses
+            assert f"127.0.0.1:{pd.workers._store.port}" in front_end, front_end
         assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
-        assert all(a.startswith("127.0.0.1:") for a in listening([os.getpid()])), "the front end listens beyond"
+        assert all(a.startswith("127.0.0.1:") for a in front_end), "the front end listens beyond"
     assert not marker.exists()
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minipd.pd import messages as m
-from minipd.pd.worker import free_port, run_worker
+from minipd.pd.transport import host_store
+from minipd.pd.worker import run_worker
 from minipd.wire import Codec, receive, send_nowait
 
 logger = logging.getLogger("minipd")
@@ -92,6 +93,8 @@ class WorkerGroup:
         self.folder: str | None = None
         self._context: Any = None
         self._pull: Any = None
+        #: The torch.distributed store spawned workers meet at (torch transport only), served from here.
+        self._store: Any = None
 
     # ------------------------------------------------------------------------------- starting
     def start(self, model: str, num_prefill: int, num_decode: int, kv_lease_s: float, threads: int | None,
@@ -106,7 +109,11 @@ class WorkerGroup:
         self._pull.bind(outbox)
         spawn = mp.get_context("spawn")
         world = num_prefill + num_decode
-        address = f"tcp://127.0.0.1:{free_port()}" if transport.name == "torch" else ""
+        address = ""
+        if transport.name == "torch":
+            # The front end serves the workers' store itself, on a port the system hands it: a port
+            # probed free here and bound later by a worker may be taken in between.
+            self._store, address = host_store("127.0.0.1")
         try:
             for role, count in (("prefill", num_prefill), ("decode", num_decode)):
                 for index in range(count):
@@ -115,7 +122,7 @@ class WorkerGroup:
                     socket = self._context.socket(zmq.PUSH)
                     socket.bind(inbox)
                     settings = {"name": transport.name, "rank": len(self.workers), "world_size": world,
-                                "address": address, "wire_dtype": transport.wire_dtype}
+                                "address": address, "wire_dtype": transport.wire_dtype, "store_hosted": True}
                     process = spawn.Process(target=run_worker, name=f"minipd-{name}", daemon=True,
                                             args=(role, index, model, llm_options, inbox, outbox, kv_lease_s,
                                                   threads, settings, self.codec.key))
@@ -280,6 +287,7 @@ class WorkerGroup:
         if self._pull is not None:
             self._pull.close(linger=0)
             self._context.term()
+        self._store = None  # its server stops with the last reference, once every worker is gone
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -148,7 +148,8 @@ class TorchDistributedTransport:
     _READ, _WRITE = 0, 1
 
     def __init__(self, agent_name: str, pool: PagedKVPool, rank: int, world_size: int, address: str,
-                 max_blocks_per_request: int, wire_dtype: str | None = None, host: str = "127.0.0.1") -> None:
+                 max_blocks_per_request: int, wire_dtype: str | None = None, host: str = "127.0.0.1",
+                 store_hosted: bool = False) -> None:
         import datetime
         import threading
 
@@ -160,7 +161,7 @@ class TorchDistributedTransport:
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout
-        self.store = rendezvous_store(address, rank, world_size, timeout)
+        self.store = rendezvous_store(address, rank, world_size, timeout, hosted=store_hosted)
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("minipd-kv", self.store), rank, world_size, options)
         self.agent_name, self.rank, self.pool = agent_name, rank, pool
         #: How blocks are put on the wire: as stored, or quantized for the wire only (``kv_transfer_dtype``).
@@ -307,25 +308,43 @@ class TorchDistributedTransport:
         return notes
 
 
-def rendezvous_store(address: str, rank: int, world_size: int, timeout: Any) -> Any:
+def rendezvous_store(address: str, rank: int, world_size: int, timeout: Any, hosted: bool = False) -> Any:
     """The ``torch.distributed`` store the workers meet at: ``tcp://HOST:PORT`` (rank 0 serves it, listening
-    on HOST only: torch's own store would listen on every interface) or ``env://`` (torchrun's)."""
-    import socket
-
+    on HOST only: torch's own store would listen on every interface; or, when ``hosted``, the front end
+    already serves it there and every rank is a client) or ``env://`` (torchrun's)."""
     import torch.distributed as dist
 
     if not address.startswith("tcp://"):
         store, _, _ = next(dist.rendezvous(address, rank, world_size, timeout=timeout))
         return store
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    if rank:
+    if rank or hosted:
         return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)
+    return _serve_store(host, int(port), world_size, timeout)
+
+
+def host_store(host: str = "127.0.0.1", timeout_s: float = 120) -> tuple[Any, str]:
+    """Serve a ``torch.distributed`` store on ``host`` at a port the system picks, and say where: the
+    front end of spawned workers hosts their store itself, so no port is chosen early and taken by
+    someone else before the store binds it."""
+    import datetime
+
+    store = _serve_store(host, 0, 1, datetime.timedelta(seconds=timeout_s))
+    return store, f"tcp://{host}:{store.port}"
+
+
+def _serve_store(host: str, port: int, world_size: int, timeout: Any) -> Any:
+    import socket
+
+    import torch.distributed as dist
+
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host.strip("[]"), int(port)))
+    listener.bind((host.strip("[]"), port))
     listener.listen(128)
+    port = listener.getsockname()[1]
     # detach(): the store owns the descriptor from now on, so Python never closes it under the store.
-    return dist.TCPStore(host, int(port), world_size, True, timeout=timeout, wait_for_workers=False,
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=listener.detach(), use_libuv=False)
 
 

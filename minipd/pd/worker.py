@@ -169,7 +169,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         else:
             kv = TorchDistributedTransport(name, core.pool, transport["rank"], transport["world_size"],
                                            transport["address"], -(-core.max_model_len // core.config.block_size),
-                                           transport.get("wire_dtype"), host=host)
+                                           transport.get("wire_dtype"), host=host,
+                                           store_hosted=transport.get("store_hosted", False))
         send(m.Ready(os.getpid(), kv.peer_info(), core.block_manager.num_blocks, core.kv_spec.to_dict(),
                      {k: str(v) for k, v in core.describe().items()}))
         _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
