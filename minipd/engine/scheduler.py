@@ -53,6 +53,8 @@ class StepUpdate:
     #: Tokens each request of the step attends to, summed (its context after the step).
     num_context_tokens: int = 0
     prefill_chunk_sizes: tuple[int, ...] = ()
+    #: Each prefill chunk's request's computed tokens after the step (its context).
+    prefill_chunk_contexts: tuple[int, ...] = ()
     #: Requests whose new token ended them (out of the queues; holding K/V if they asked to).
     finished: list[Request] = field(default_factory=list)
 
@@ -273,6 +275,7 @@ class Scheduler:
             else:
                 update.num_prefill_tokens += n
                 update.prefill_chunk_sizes += (n,)
+                update.prefill_chunk_contexts += (request.num_computed_tokens,)
                 request.num_prefill_tokens += n
         for request, token in zip(sampled, tokens, strict=True):
             request.append_token(token)

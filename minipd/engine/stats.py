@@ -29,6 +29,8 @@ class StepStats:
     num_context_tokens: int = 0
     #: The size of each prefill chunk computed this step, in batch order (decodes are not listed).
     prefill_chunk_sizes: tuple[int, ...] = ()
+    #: Each prefill chunk's context after the step (its request's computed tokens), aligned with the sizes.
+    prefill_chunk_contexts: tuple[int, ...] = ()
     #: Prompt tokens looked up in the prefix cache, and found there, since the engine started (counters).
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -51,6 +53,59 @@ class StepStats:
     def num_tokens(self) -> int:
         """Tokens computed this step."""
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def work(self) -> StepWork:
+        """What the step computed, as a step-time model reads it."""
+        return StepWork.of(tuple(zip(self.prefill_chunk_sizes, self.prefill_chunk_contexts, strict=True)),
+                           self.num_decode_tokens,
+                           self.num_context_tokens - sum(self.prefill_chunk_contexts))
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The work of one step in the numbers a step-time model needs, the same whether the step ran
+    (:attr:`StepStats.work`) or is about to run in a simulator (:meth:`from_entries`).
+
+    A chunk of ``n`` prompt tokens whose request has ``e`` tokens in the cache after it attends to
+    ``n·e - n(n-1)/2`` (query, key) pairs; a decode row at context ``c`` to ``c``.
+    """
+
+    #: Prompt tokens computed, in how many chunks (rows), and the (query, key) pairs they attended to.
+    prefill_tokens: int = 0
+    prefill_rows: int = 0
+    prefill_pairs: int = 0
+    #: Decode rows (one token each) and the keys they attended to, summed.
+    decode_rows: int = 0
+    decode_context: int = 0
+
+    @classmethod
+    def of(cls, chunks: tuple[tuple[int, int], ...], decode_rows: int, decode_context: int) -> StepWork:
+        """From ``(size, context after)`` per prefill chunk and the decode rows' count and summed context."""
+        return cls(sum(n for n, _ in chunks), len(chunks), sum(n * e - n * (n - 1) // 2 for n, e in chunks),
+                   decode_rows, decode_context)
+
+    @classmethod
+    def from_entries(cls, entries: list) -> StepWork:
+        """From a scheduled batch's ``(request, tokens)`` entries, before the step commits them."""
+        chunks, rows, context = [], 0, 0
+        for request, n in entries:
+            end = request.num_computed_tokens + n
+            if request.is_decode(n):
+                rows, context = rows + 1, context + end
+            else:
+                chunks.append((n, end))
+        return cls.of(tuple(chunks), rows, context)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed."""
+        return self.prefill_tokens + self.decode_rows
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences in the step (each samples at most one token)."""
+        return self.prefill_rows + self.decode_rows
 
 
 @dataclass

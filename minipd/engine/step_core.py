@@ -205,7 +205,8 @@ class StepCore:
                 kv_blocks_free=bm.num_free_blocks, prefix_hit_rate=bm.stats.hit_rate,
                 num_preemptions=len(batch.preempted), step=self.num_steps,
                 num_waiting_for_kv=len(sched.waiting_for_kv), num_context_tokens=update.num_context_tokens,
-                prefill_chunk_sizes=update.prefill_chunk_sizes, prefix_queried_tokens=bm.stats.queried_tokens,
+                prefill_chunk_sizes=update.prefill_chunk_sizes,
+                prefill_chunk_contexts=update.prefill_chunk_contexts, prefix_queried_tokens=bm.stats.queried_tokens,
                 prefix_hit_tokens=bm.stats.hit_tokens, **self._extra_stats()))
         except Exception as err:
             self._keep_failure(err, "recording the step's statistics failed")
