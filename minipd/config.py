@@ -19,6 +19,10 @@ DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #: per-head K/V with multi-head latent attention (MLA).
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+#: Families minipd can cost (:mod:`minipd.sim.costs`) but not run: OPT has a two-matrix ReLU MLP with biases,
+#: learned absolute positions and LayerNorm. :meth:`ModelConfig.from_dict` reads them only with
+#: ``cost_only=True``, and :class:`~minipd.models.decoder.DecoderModel` refuses to build them.
+COST_ONLY_FAMILIES = ("opt",)
 #: Fields every ``config.json`` must give, each a positive integer.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 #: Fields that may be absent or null, but when given must be positive integers.
@@ -103,6 +107,21 @@ class ModelConfig:
     v_head_dim: int = 0
     #: RoPE on channel pairs ``(0, 1), (2, 3), ...`` instead of halves ``(i, i + d/2)`` (DeepSeek's layout).
     rope_interleave: bool = False
+    # The four fields below describe families minipd costs but does not run (:data:`COST_ONLY_FAMILIES`).
+    #: A SwiGLU MLP (gate, up, down); False for OPT's two matrices, ``fc1 → hidden_act → fc2``.
+    gated_mlp: bool = True
+    #: Biases on the MLP's matrices (OPT).
+    mlp_bias: bool = False
+    #: LayerNorms with a bias as well as a weight in place of RMSNorm (OPT).
+    norm_bias: bool = False
+    #: Rows of a learned absolute position table (OPT: ``max_position_embeddings + 2``); 0 for none (RoPE).
+    learned_positions: int = 0
+
+    @property
+    def cost_only(self) -> bool:
+        """True for a shape minipd can cost but not build: anything but a SwiGLU, RoPE and RMSNorm decoder."""
+        return (self.model_type in COST_ONLY_FAMILIES or not self.gated_mlp or self.mlp_bias or self.norm_bias
+                or self.learned_positions > 0 or self.hidden_act != "silu")
 
     @property
     def is_mla(self) -> bool:
@@ -145,15 +164,23 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_element
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], *, cost_only: bool = False) -> ModelConfig:
         """Build from the parsed contents of an HF ``config.json``.
 
         Raises ``ValueError`` naming the field when a required one is missing or not a positive integer.
+        With ``cost_only=True`` the families minipd can only cost (:data:`COST_ONLY_FAMILIES`) are read too;
+        the result can be given to :mod:`minipd.sim.costs`, not built into a model.
         """
         if not isinstance(raw, dict):
             raise ValueError(f"the config must be a JSON object of fields, got {type(raw).__name__}")
-        _check_fields(raw)
         model_type = raw.get("model_type", "")
+        if model_type in COST_ONLY_FAMILIES:
+            if cost_only:
+                return _read_opt(raw)
+            raise ValueError(f"model_type {model_type!r} is not supported; minipd implements "
+                             f"{', '.join(SUPPORTED_FAMILIES)} (it can cost {model_type!r} shapes: "
+                             "ModelConfig.from_dict(raw, cost_only=True) and minipd.sim.costs)")
+        _check_fields(raw)
         if model_type not in SUPPORTED_FAMILIES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; minipd implements {', '.join(SUPPORTED_FAMILIES)}"
@@ -210,6 +237,52 @@ class ModelConfig:
             return cls.from_dict(raw)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+
+
+def _read_opt(raw: dict[str, Any]) -> ModelConfig:
+    """An OPT ``config.json`` (``ffn_dim`` for the MLP width), for costing only.
+
+    OPT's pre-LayerNorm checkpoints whose embedding width is the hidden size (OPT-1.3B and up, and 125M) are
+    read; OPT-350M (a projected 512-wide embedding, post-LayerNorm) is refused rather than miscounted.
+    """
+    raw = {**raw, "intermediate_size": raw.get("ffn_dim")}
+    _check_fields(raw)
+    hidden = raw["hidden_size"]
+    if raw.get("word_embed_proj_dim", hidden) != hidden:
+        raise ValueError(f"OPT with word_embed_proj_dim {raw['word_embed_proj_dim']} != hidden_size {hidden} "
+                         "(project_in/project_out) is not supported")
+    if not raw.get("do_layer_norm_before", True) or raw.get("_remove_final_layer_norm", False):
+        raise ValueError("post-LayerNorm OPT (do_layer_norm_before false) is not supported")
+    if not raw.get("layer_norm_elementwise_affine", True):
+        raise ValueError("OPT without LayerNorm weights (layer_norm_elementwise_affine false) is not supported")
+    bias = bool(raw.get("enable_bias", True))
+    heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    max_positions = raw.get("max_position_embeddings") or 2048
+    return ModelConfig(
+        model_type="opt",
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,  # nn.LayerNorm's default, which OPT keeps
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=bias,
+        o_proj_bias=bias,
+        sliding_windows=(None,) * raw["num_hidden_layers"],
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        bos_token_id=raw.get("bos_token_id"),
+        hidden_act=raw.get("activation_function", "relu"),
+        gated_mlp=False,
+        mlp_bias=bias,
+        norm_bias=True,
+        # OPT's position table has 2 rows more than its context (positions are looked up at offset 2).
+        learned_positions=max_positions + 2,
+    )
 
 
 def _check_fields(raw: dict[str, Any]) -> None:

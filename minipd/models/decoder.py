@@ -97,6 +97,9 @@ class DecoderModel(nn.Module):
     """Embedding, a stack of :class:`DecoderLayer`, a final norm and the LM head."""
 
     def __init__(self, config: ModelConfig) -> None:
+        if config.cost_only:
+            raise ValueError(f"minipd can cost a {config.model_type!r} model (minipd.sim.costs) but not build one: "
+                             "it builds SwiGLU decoders with RoPE and RMSNorm")
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -32,13 +32,14 @@ from minipd.config import ModelConfig
 class ParamCounts:
     """Parameters of a model by part, as HF transformers builds it (a tied LM head counted once)."""
 
-    #: The token embedding table, ``vocab × hidden``.
+    #: The token embedding table, ``vocab × hidden``, and a learned position table where the family has
+    #: one (OPT: ``(max_position_embeddings + 2) × hidden``).
     embedding: int
     #: All layers: q/k/v/o weights, q/k/v biases where the family has them, per-head q/k norms.
     attention: int
-    #: All layers: the SwiGLU MLP, or every expert plus the router.
+    #: All layers: the SwiGLU MLP (OPT: fc1 and fc2 with their biases), or every expert plus the router.
     mlp: int
-    #: All layers' two RMSNorms plus the final norm.
+    #: All layers' two norms plus the final norm (RMSNorm weights; OPT's LayerNorms, weight and bias).
     norms: int
     #: The LM head matrix; 0 when it is tied to the embedding.
     lm_head: int
@@ -99,33 +100,48 @@ def _attention_extras_per_layer(config: ModelConfig) -> int:
     return extras
 
 
+def _mlp_matrices(config: ModelConfig, width: int) -> int:
+    """Weights of one MLP of hidden width ``width``: gate, up and down (SwiGLU), or OPT's fc1 and fc2."""
+    return (3 if config.gated_mlp else 2) * config.hidden_size * width
+
+
 def _expert_params(config: ModelConfig) -> int:
     """One routed expert: gate, up and down, ``3 × hidden × expert width``."""
-    return 3 * config.hidden_size * config.expert_intermediate_size
+    return _mlp_matrices(config, config.expert_intermediate_size)
 
 
 def _mlp_params(config: ModelConfig, layer: int) -> tuple[int, int]:
-    """Layer ``layer``'s MLP parameters, and those one token uses: all of a dense MLP; for a mixture, the
-    router, the shared expert and its gate (Qwen2-MoE) and ``num_experts_per_tok`` routed experts."""
+    """Layer ``layer``'s MLP matrix weights, and those one token uses: all of a dense MLP; for a mixture,
+    the router, the shared expert and its gate (Qwen2-MoE) and ``num_experts_per_tok`` routed experts.
+
+    Biases (OPT's fc1 and fc2) are not weights a token is multiplied by; see :func:`_mlp_extras_per_layer`.
+    """
     hidden = config.hidden_size
     if not config.layer_is_moe(layer):
-        dense = 3 * hidden * config.intermediate_size
+        dense = _mlp_matrices(config, config.intermediate_size)
         return dense, dense
     always = hidden * config.num_experts  # the router
     if config.shared_expert_intermediate_size:
-        always += 3 * hidden * config.shared_expert_intermediate_size  # the shared expert(s)
+        always += _mlp_matrices(config, config.shared_expert_intermediate_size)  # the shared expert(s)
         if config.shared_expert_gated:
             always += hidden  # and Qwen2-MoE's sigmoid gate
     return (config.num_experts * _expert_params(config) + always,
             config.num_experts_per_tok * _expert_params(config) + always)
 
 
+def _mlp_extras_per_layer(config: ModelConfig, layer: int) -> int:
+    """Biases of layer ``layer``'s MLP: fc1's and fc2's in OPT (no family with biases there has experts)."""
+    if not config.mlp_bias or config.layer_is_moe(layer):
+        return 0
+    return config.intermediate_size + config.hidden_size
+
+
 def _mlp_io(config: ModelConfig, layer: int) -> int:
     """Activation elements one token reads and writes in layer ``layer``'s MLP."""
     hidden = config.hidden_size
 
-    def swiglu(width: int) -> int:  # gate_up in/out, down in/out
-        return hidden + 2 * width + width + hidden
+    def swiglu(width: int) -> int:  # gate_up in/out, down in/out (OPT: fc1 in/out, fc2 in/out)
+        return hidden + (2 if config.gated_mlp else 1) * width + width + hidden
 
     if not config.layer_is_moe(layer):
         return swiglu(config.intermediate_size)
@@ -148,18 +164,22 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
     on the latent and one on the query bottleneck, counted with the attention; ``n_shared_experts``
     ungated shared experts; the first ``first_k_dense_replace`` layers dense. The router's
     ``e_score_correction_bias`` is a buffer in HF, not a parameter, and is not counted.
+
+    OPT (``gated_mlp`` False): q/k/v/o with biases, fc1 and fc2 with biases, LayerNorms with a weight and
+    a bias, and a learned position table of ``max_position_embeddings + 2`` rows counted with the embedding.
     """
     layers = config.num_hidden_layers
     attention = _attention_weights_per_layer(config) + _attention_extras_per_layer(config)
     mlps = [_mlp_params(config, i) for i in range(layers)]
-    embedding = config.vocab_size * config.hidden_size
+    mlp_biases = sum(_mlp_extras_per_layer(config, i) for i in range(layers))
+    tokens = config.vocab_size * config.hidden_size
     return ParamCounts(
-        embedding=embedding,
+        embedding=tokens + config.learned_positions * config.hidden_size,
         attention=layers * attention,
-        mlp=sum(total for total, _ in mlps),
-        norms=(2 * layers + 1) * config.hidden_size,
-        lm_head=0 if config.tie_word_embeddings else embedding,
-        mlp_active=sum(active for _, active in mlps),
+        mlp=sum(total for total, _ in mlps) + mlp_biases,
+        norms=(2 * layers + 1) * config.hidden_size * (2 if config.norm_bias else 1),
+        lm_head=0 if config.tie_word_embeddings else tokens,
+        mlp_active=sum(active for _, active in mlps) + mlp_biases,
     )
 
 
@@ -318,8 +338,6 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
     tokens = sum(new for _, new in chunks)
     seqs = len(chunks)
     hidden, vocab = config.hidden_size, config.vocab_size
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
     windows = _windows(config)
 
     # FLOPs.
@@ -330,12 +348,10 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
 
     # Weights: the layers and the final norm, and the LM head matrix (the embedding table when tied).
     # Embedding lookups touch only one row per token; they are counted with the activations.
-    params = count_parameters(config)
-    layer_params = params.non_embedding
+    layer_params = count_parameters(config).non_embedding
     if config.is_moe:
         experts_read = min(config.num_experts, tokens * config.num_experts_per_tok)
-        moe_layers = sum(config.layer_is_moe(i) for i in range(config.num_hidden_layers))
-        layer_params -= moe_layers * (config.num_experts - experts_read) * _expert_params(config)
+        layer_params -= _moe_layer_count(config) * (config.num_experts - experts_read) * _expert_params(config)
     weight_bytes = dtype_bytes * (layer_params + vocab * hidden)
 
     # KV cache: each layer reads the union of the windows its new queries see, and writes the new K/V.
@@ -348,8 +364,29 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
             kv_read += (end - start) * kv_layer_token
     kv_write = tokens * kv_layer_token * config.num_hidden_layers
 
-    # Activations, per token and layer: qkv_proj in/out, attention q in / out, o_proj in/out, then
-    # the MLP (per routed expert: gate_up in/out and down in/out; plus the router's in/out).
+    per_token, per_sequence = _activation_elements(config)
+    activation_bytes = dtype_bytes * (tokens * per_token + seqs * per_sequence)
+
+    return StepCost(num_tokens=tokens, num_sequences=seqs, linear_flops=linear_flops,
+                    attention_flops=attention_flops, lm_head_flops=lm_head_flops, weight_bytes=weight_bytes,
+                    kv_read_bytes=kv_read, kv_write_bytes=kv_write, activation_bytes=activation_bytes)
+
+
+def _moe_layer_count(config: ModelConfig) -> int:
+    """How many layers have the mixture of experts as their MLP."""
+    return sum(config.layer_is_moe(i) for i in range(config.num_hidden_layers))
+
+
+def _activation_elements(config: ModelConfig) -> tuple[int, int]:
+    """Activation elements a step reads and writes per token, and per sampled row (see :func:`step_cost`).
+
+    Per token and layer: qkv_proj in/out, attention q in / out, o_proj in/out, then the MLP (per routed
+    expert: gate_up in/out and down in/out; plus the router's in/out); plus the embedding row (and learned
+    position row) each token looks up. Per sampled row: the LM head's input and logits.
+    """
+    hidden, vocab = config.hidden_size, config.vocab_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
     attention_io = (hidden + q_dim + 2 * kv_dim) + 2 * q_dim + (q_dim + hidden)
     if config.is_mla:
         # Projections in and out (the query bottleneck, q, the latent), the absorbed query and the
@@ -358,13 +395,8 @@ def step_cost(config: ModelConfig, chunks: Sequence[tuple[int, int]], dtype_byte
         attention_io = (2 * hidden + 2 * (config.q_lora_rank or 0) + q_dim + config.kv_latent_dim
                         + 2 * latent_q + config.num_attention_heads * config.v_head_dim + hidden)
     per_token = sum(attention_io + _mlp_io(config, i) for i in range(config.num_hidden_layers))
-    # Plus the embedding row each token looks up, and the LM head's input and logits per sampled row.
-    activation_elems = tokens * (per_token + hidden) + seqs * (hidden + vocab)
-    activation_bytes = dtype_bytes * activation_elems
-
-    return StepCost(num_tokens=tokens, num_sequences=seqs, linear_flops=linear_flops,
-                    attention_flops=attention_flops, lm_head_flops=lm_head_flops, weight_bytes=weight_bytes,
-                    kv_read_bytes=kv_read, kv_write_bytes=kv_write, activation_bytes=activation_bytes)
+    lookups = hidden * (2 if config.learned_positions else 1)
+    return per_token + lookups, hidden + vocab
 
 
 def prefill_cost(config: ModelConfig, prompt_len: int, batch: int = 1, cached: int = 0, dtype_bytes: int = 2,
@@ -398,13 +430,16 @@ def decode_cost(config: ModelConfig, batch: int, context: int | Sequence[int], d
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """What bounds a device on the roofline: peak matmul FLOP/s and memory bandwidth (bytes/s)."""
+    """What bounds a device on the roofline: peak matmul FLOP/s and memory bandwidth (bytes/s); and how
+    much memory it has, for what fits in it (0 when unknown)."""
 
     name: str
     peak_flops: float
     mem_bandwidth: float
     #: Where the figures come from (a datasheet, or "measured").
     source: str = ""
+    #: Device memory in bytes, as the datasheet states it (decimal GB); 0.0 when not given.
+    memory_bytes: float = 0.0
 
     @property
     def ridge_point(self) -> float:
@@ -416,11 +451,14 @@ class DeviceSpec:
         return min(self.peak_flops, intensity * self.mem_bandwidth)
 
 
-#: NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 tensor core (1,979 with 2:4 sparsity), 3.35 TB/s HBM3.
+#: NVIDIA A100 80GB SXM: 312 TFLOP/s dense BF16 tensor core (624 with 2:4 sparsity), 2,039 GB/s HBM2e,
+#: 80 GB. Source: NVIDIA A100 Tensor Core GPU datasheet (the 80GB PCIe card has 1,935 GB/s).
+A100_80GB = DeviceSpec("A100 80GB SXM", 312e12, 2.039e12, "NVIDIA A100 datasheet (dense BF16)", 80e9)
+#: NVIDIA H100 SXM5: 989 TFLOP/s dense BF16 tensor core (1,979 with 2:4 sparsity), 3.35 TB/s HBM3, 80 GB.
 #: Source: NVIDIA H100 Tensor Core GPU datasheet.
-H100_SXM = DeviceSpec("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 datasheet (dense BF16)")
-#: NVIDIA H200 SXM: the same compute as H100 SXM, 4.8 TB/s HBM3e. Source: NVIDIA H200 datasheet.
-H200 = DeviceSpec("H200", 989e12, 4.8e12, "NVIDIA H200 datasheet (dense BF16)")
+H100_SXM = DeviceSpec("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 datasheet (dense BF16)", 80e9)
+#: NVIDIA H200 SXM: the same compute as H100 SXM, 4.8 TB/s HBM3e, 141 GB. Source: NVIDIA H200 datasheet.
+H200 = DeviceSpec("H200", 989e12, 4.8e12, "NVIDIA H200 datasheet (dense BF16)", 141e9)
 
 
 # --- real model shapes ----------------------------------------------------------------------------
@@ -470,10 +508,27 @@ _PRESET_CONFIGS: dict[str, dict] = {
                          max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0,
                          tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
                          sliding_window=None, bos_token_id=1, eos_token_id=2),
+    # huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json — 70,553,706,496 parameters
+    "llama-3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001),
+    # huggingface.co/facebook/opt-13b/blob/main/config.json — 12,853,473,280 parameters. OPT is costed, not
+    # run: a ReLU MLP of two matrices with biases, learned positions, LayerNorm; the LM head tied.
+    "opt-13b": dict(model_type="opt", vocab_size=50272, hidden_size=5120, ffn_dim=20480, num_hidden_layers=40,
+                    num_attention_heads=40, max_position_embeddings=2048, word_embed_proj_dim=5120,
+                    activation_function="relu", do_layer_norm_before=True, enable_bias=True,
+                    bos_token_id=2, eos_token_id=2),
+    # huggingface.co/facebook/opt-66b/blob/main/config.json — 65,719,701,504 parameters
+    "opt-66b": dict(model_type="opt", vocab_size=50272, hidden_size=9216, ffn_dim=36864, num_hidden_layers=64,
+                    num_attention_heads=72, max_position_embeddings=2048, word_embed_proj_dim=9216,
+                    activation_function="relu", do_layer_norm_before=True, enable_bias=True,
+                    bos_token_id=2, eos_token_id=2),
 }
 
-#: Named shapes of real models, for costing without downloading them.
-MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig.from_dict(raw) for name, raw in _PRESET_CONFIGS.items()}
+#: Named shapes of real models, for costing without downloading them (OPT's can be costed, not run).
+MODEL_PRESETS: dict[str, ModelConfig] = {name: ModelConfig.from_dict(raw, cost_only=True)
+                                         for name, raw in _PRESET_CONFIGS.items()}
 
 
 def preset(name: str) -> ModelConfig:
@@ -485,6 +540,7 @@ def preset(name: str) -> ModelConfig:
 
 
 __all__ = [
+    "A100_80GB",
     "H100_SXM",
     "H200",
     "MODEL_PRESETS",
