@@ -118,6 +118,8 @@ class CompiledDecode:
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = _powers_of_two(max_blocks) if width_buckets else [max_blocks]
         self.device = model.embed_tokens.weight.device
+        #: The torch references: the compiler fuses them into the step (no custom kernel to call).
+        self.kernels = TORCH_BACKEND
         cuda = self.device.type == "cuda"
         if cuda:
             # The pool is read by the captured graphs in place: it must not be copied into graph-owned inputs.
@@ -146,8 +148,9 @@ class CompiledDecode:
                  context_lens: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend)
-        # The kernels are named from this module's globals: the compiler can only wrap objects it can find again.
-        hidden = self.model(input_ids, positions, ForwardContext(cache, TORCH_BACKEND))  # type: ignore[arg-type]
+        # The kernels are reached through ``self`` (an input of the traced call): the compiler can only wrap
+        # objects it can find again, and torch 2.11 could not find a module global here (a graph break).
+        hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden)
         return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
 
