@@ -132,6 +132,12 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(f"{message} (see `{self.prog} -h`)")
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from minipd.sim.cli import main as simulate_main
+
+    return simulate_main(args.simulate_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m minipd", description="minipd: a small LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "it costs (see `python -m minipd moebalance -h`)", add_help=False)
     balance.add_argument("balance_args", nargs=argparse.REMAINDER)
     balance.set_defaults(func=_moebalance)
+    simulate = sub.add_parser("simulate", help="a GPU cluster, colocated or disaggregated, simulated: latencies, "
+                              "goodput, the best placement (see `python -m minipd simulate -h`)", add_help=False)
+    simulate.add_argument("simulate_args", nargs=argparse.REMAINDER)
+    simulate.set_defaults(func=_simulate)
     return parser
 
 
@@ -209,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _loadgen(argparse.Namespace(loadgen_args=argv[1:]))
         if argv[:1] == ["moebalance"]:
             return _moebalance(argparse.Namespace(balance_args=argv[1:]))
+        if argv[:1] == ["simulate"]:
+            return _simulate(argparse.Namespace(simulate_args=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,0 +1,119 @@
+"""``python -m minipd simulate``: a GPU cluster serving a model, simulated — one placement at a rate, its
+goodput, or the best placement for a number of devices.
+
+    python -m minipd simulate --model llama-3-8b --gpu h100 --placement 1P+1D --rate 8
+    python -m minipd simulate --model opt-13b --gpu a100 --placement 2C --goodput --ttft-slo-ms 250 --tpot-slo-ms 100
+    python -m minipd simulate --model opt-13b --gpu a100 --search 4 --json placements.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from minipd.serve.loadgen import Slo, format_summary
+from minipd.serve.workload import trace_workload
+from minipd.sim.cluster import ClusterSpec, simulate
+from minipd.sim.costs import A100_80GB, H100_SXM, H200, preset
+from minipd.sim.roofline import IB_400G, NVLINK4, PCIE5_X16
+from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput, placements, search_placements
+
+GPUS = {"a100": A100_80GB, "h100": H100_SXM, "h200": H200}
+LINKS = {"nvlink": NVLINK4, "pcie": PCIE5_X16, "ib": IB_400G}
+_PART = re.compile(r"^(\d+)([CPD])(?:\(tp(\d+)\))?$")
+
+
+def parse_placement(text: str, cluster: GpuCluster) -> ClusterSpec:
+    """``"4C"``, ``"2C(tp2)"``, ``"1P+3D"``, ``"2P(tp2)+4D"`` as a cluster of ``cluster``'s instances."""
+    parts: dict[str, tuple[int, int]] = {}
+    for part in text.replace(" ", "").split("+"):
+        match = _PART.match(part)
+        if match is None or match.group(2) in parts:
+            raise ValueError(f"--placement: {text!r} is not like 4C, 2C(tp2), 1P+3D or 2P(tp2)+4D")
+        parts[match.group(2)] = (int(match.group(1)), int(match.group(3) or 1))
+    if set(parts) == {"C"}:
+        return cluster.colocated(*parts["C"])
+    if set(parts) == {"P", "D"}:
+        return cluster.disaggregated(*parts["P"], *parts["D"])
+    raise ValueError(f"--placement: {text!r} needs C alone, or both P and D")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minipd simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3-8b", help="a model shape from minipd.sim.costs.MODEL_PRESETS")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    parser.add_argument("--link", choices=sorted(LINKS), default="nvlink",
+                        help="what K/V cross from prefill to decode instances (default nvlink)")
+    parser.add_argument("--layerwise", action="store_true", help="send K/V layer by layer during the prefill")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--placement", default="1P+1D", help="e.g. 4C, 2C(tp2), 1P+3D, 2P(tp2)+4D (default 1P+1D)")
+    what.add_argument("--search", type=int, metavar="DEVICES",
+                      help="rank every placement on this many devices by goodput per device")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests/s (default 4)")
+    parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
+    parser.add_argument("--num-requests", type=int, default=500)
+    parser.add_argument("--prompt-lens", default="256:1024", help="N or LOW:HIGH (default 256:1024)")
+    parser.add_argument("--output-lens", default="64:256", help="N or LOW:HIGH (default 64:256)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    parser.add_argument("--trace", default=None, help="JSONL of arrival, prompt_len, output_len (instead of "
+                                                      "--rate and the lengths)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ttft-slo-ms", type=float, default=None)
+    parser.add_argument("--tpot-slo-ms", type=float, default=None)
+    parser.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
+    parser.add_argument("--chunk", type=int, default=2048, help="colocated token budget per step (default 2048)")
+    parser.add_argument("--policy", choices=("decode-first", "prefill-first"), default="decode-first",
+                        help="colocated scheduling (default decode-first)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cluster = GpuCluster(preset(args.model), GPUS[args.gpu], LINKS[args.link], layerwise=args.layerwise,
+                         colocated_batched_tokens=args.chunk, colocated_policy=args.policy)
+    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed)
+    report: dict[str, Any] = {"model": args.model, "gpu": GPUS[args.gpu].name, "link": LINKS[args.link].name,
+                              "layerwise": args.layerwise, "slo": vars(slo)}
+    needs_slo = args.goodput or args.search is not None
+    if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
+        raise ValueError("--goodput and --search need --ttft-slo-ms and/or --tpot-slo-ms")
+    if args.search is not None:
+        ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, progress=True)
+        print(f"{args.model} on {args.search} x {GPUS[args.gpu].name}, link {LINKS[args.link].name}: "
+              f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
+        for result in ranked:
+            print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device")
+        report["placements"] = [{"placement": r.name, "goodput": r.goodput, "per_device": r.per_device,
+                                 "tried": r.tried} for r in ranked]
+    else:
+        spec = parse_placement(args.placement, cluster)
+        if args.goodput:
+            rate, tried = find_goodput(lambda r: simulate(spec, shape.at(r)).results(), slo, start=args.rate,
+                                       attainment=args.attainment)
+            print(f"{spec.describe()}: goodput {rate:.2f} req/s ({rate / spec.devices:.2f} per device)")
+            report.update(placement=spec.describe(), goodput=rate, tried=tried)
+        else:
+            workload = trace_workload(args.trace) if args.trace else shape.at(args.rate)
+            result = simulate(spec, workload, progress=True)
+            summary = result.summary(slo if needs_slo or args.ttft_slo_ms or args.tpot_slo_ms else None)
+            print(f"{spec.describe()} at {args.rate} req/s:")
+            print(format_summary(summary))
+            for name, share in result.utilisation().items():
+                print(f"  {name}: busy {share:.0%}")
+            report.update(placement=spec.describe(), utilisation=result.utilisation(),
+                          summary={k: v for k, v in summary.items() if not isinstance(v, list)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["build_parser", "main", "parse_placement"]

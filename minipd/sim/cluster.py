@@ -1,0 +1,353 @@
+"""A cluster of simulated instances on :mod:`simpy`: arrivals, a router, colocated or disaggregated
+instances, KV transfers over a link, and what every request saw.
+
+Why simpy: it is the discrete-event library DistServe's simulator uses, small and well known, and its
+processes (generators that ``yield`` timeouts and events) read like the loops they model: an arrival
+process, one loop per instance (:class:`~minipd.sim.instance.SimInstance`), one process per KV transfer.
+
+**Colocated**: each request goes to the instance with the fewest requests; prefill and decode share its
+steps (the scheduling policy and chunk budget are the instance's).
+
+**Disaggregated**: a request is prefilled on the prefill instance with the fewest tokens to compute, which
+emits its first token and keeps its K/V (``hold_kv``), then continues on the decode instance with the
+fewest requests. The decode instance's scheduler admits it when it can allocate the blocks (its own KV
+capacity: a full decode pool holds requests back, and the K/V they keep fill the prefill pool); then
+the K/V cross the prefill instance's link (one transfer at a time, each ``latency + bytes / bandwidth``)
+and the request decodes from its second token. With ``layerwise``, layers are sent while the prefill
+computes the next ones: the part of the transfer that fits in the prefill's last step is hidden, at
+least one layer's share never is (an approximation: it assumes the decode blocks were ready when the
+prefill began, as push mode arranges, and ignores that they were not).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from minipd.engine.request import EngineCoreOutputs, Request
+from minipd.errors import ParameterError
+from minipd.sampling_params import SamplingParams
+from minipd.serve.loadgen import RequestResult, Slo, summarize
+from minipd.serve.workload import PlannedRequest
+from minipd.sim.instance import SIM_TOKEN, InstanceConfig, InstanceStats, SimInstance, StepTimeModel
+
+if TYPE_CHECKING:
+    from minipd.sim.roofline import Link
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """``count`` identical instances of one role."""
+
+    role: str
+    model: StepTimeModel
+    config: InstanceConfig
+    count: int = 1
+    #: Devices each instance spans (its tensor-parallel degree), for goodput per device.
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.devices < 1:
+            raise ValueError(f"count and devices must be >= 1, got {self.count} and {self.devices}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What runs: the instances, and for a disaggregated cluster the K/V that move and the link they cross."""
+
+    instances: tuple[InstanceSpec, ...]
+    #: Bytes of K/V per prompt token sent from prefill to decode (all layers).
+    kv_bytes_per_token: float = 0.0
+    #: Each prefill instance's outgoing link (None: transfers take no time).
+    link: Link | None = None
+    #: Send layer by layer during the prefill (hiding up to one step of transfer), over ``num_layers``.
+    layerwise: bool = False
+    num_layers: int = 1
+    #: Fixed cost per transfer on top of the link's (control messages, registration).
+    transfer_overhead_s: float = 0.0
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        roles = {spec.role for spec in self.instances}
+        if not roles or roles - {"colocated", "prefill", "decode"}:
+            raise ValueError(f"instances need roles among colocated, prefill, decode; got {sorted(roles)}")
+        if "colocated" in roles and roles != {"colocated"}:
+            raise ValueError("a cluster is either colocated or disaggregated (prefill and decode instances)")
+        if roles != {"colocated"} and roles != {"prefill", "decode"}:
+            raise ValueError("a disaggregated cluster needs prefill and decode instances")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.instances[0].role != "colocated"
+
+    @property
+    def devices(self) -> int:
+        """Devices the cluster uses."""
+        return sum(spec.count * spec.devices for spec in self.instances)
+
+    def describe(self) -> str:
+        """``"2P(tp2)+4D"`` or ``"4C(tp2)"``: what the placement is, in a few characters."""
+        letter = {"colocated": "C", "prefill": "P", "decode": "D"}
+        return "+".join(f"{s.count}{letter[s.role]}" + (f"(tp{s.devices})" if s.devices > 1 else "")
+                        for s in self.instances)
+
+    @classmethod
+    def colocated(cls, model: StepTimeModel, config: InstanceConfig, count: int = 1, devices: int = 1,
+                  label: str = "") -> ClusterSpec:
+        """``count`` colocated instances."""
+        return cls((InstanceSpec("colocated", model, config, count, devices),), label=label)
+
+    @classmethod
+    def disaggregated_cluster(cls, prefill: InstanceSpec, decode: InstanceSpec, kv_bytes_per_token: float,
+                              link: Link | None, layerwise: bool = False, num_layers: int = 1,
+                              transfer_overhead_s: float = 0.0, label: str = "") -> ClusterSpec:
+        """Prefill instances and decode instances joined by ``link``."""
+        return cls((prefill, decode), kv_bytes_per_token, link, layerwise, num_layers, transfer_overhead_s, label)
+
+
+@dataclass
+class SimRequest:
+    """What one simulated request went through (seconds of simulated time)."""
+
+    index: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+    #: Why it never ran ("" if it did): it could never fit an instance's KV pool.
+    dropped: str = ""
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    transfer_start: float | None = None
+    transfer_end: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return (self.finished or self.token_times[-1]) - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 with one token)."""
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
+
+    @property
+    def queueing(self) -> float:
+        """From arrival to its first scheduled step."""
+        return (self.first_scheduled if self.first_scheduled is not None else self.arrival) - self.arrival
+
+    @property
+    def transfer_time(self) -> float:
+        """From the start of its K/V transfer to the K/V being in the decode instance's blocks."""
+        if self.transfer_start is None or self.transfer_end is None:
+            return 0.0
+        return self.transfer_end - self.transfer_start
+
+    def to_result(self) -> RequestResult:
+        """As the load generator reports a request (the same summaries and SLO checks apply)."""
+        if self.dropped or self.finished is None:
+            return RequestResult(self.arrival, self.arrival, False, self.dropped or "unfinished", self.prompt_len)
+        times = self.token_times
+        return RequestResult(self.arrival, self.arrival, True, "", self.prompt_len, len(times), self.ttft, self.e2e,
+                             [b - a for a, b in itertools.pairwise(times)])
+
+
+@dataclass
+class SimResult:
+    """One simulated run: every request, every instance, the run's length."""
+
+    spec: ClusterSpec
+    requests: list[SimRequest]
+    instances: dict[str, InstanceStats]
+    duration: float
+
+    def results(self) -> list[RequestResult]:
+        return [r.to_result() for r in self.requests]
+
+    def summary(self, slo: Slo | None = None) -> dict[str, Any]:
+        """The load generator's summary (vLLM's benchmark keys, ms) of the simulated requests."""
+        return summarize(self.results(), slo)
+
+    def attainment(self, slo: Slo) -> float:
+        """Share of requests (dropped ones count as missed) that met every objective of ``slo``."""
+        results = self.results()
+        return sum(slo.met(r) for r in results) / max(len(results), 1)
+
+    def utilisation(self) -> dict[str, float]:
+        """Each instance's busy share of the run."""
+        return {name: stats.busy_time / self.duration if self.duration else 0.0
+                for name, stats in self.instances.items()}
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(bool(r.dropped) for r in self.requests)
+
+
+class _Cluster:
+    """One run's state: the environment, the instances and the requests."""
+
+    def __init__(self, spec: ClusterSpec, workload: Sequence[PlannedRequest], keep_timeline: bool,
+                 progress: Callable[[int], None] | None) -> None:
+        import simpy
+
+        self.env = simpy.Environment()
+        self.spec = spec
+        self.progress = progress
+        self.requests = [SimRequest(i, p.send_at, p.prompt_len, p.output_len) for i, p in enumerate(workload)]
+        self.live: dict[str, SimRequest] = {}
+        self.pending = len(self.requests)
+        self.all_done = self.env.event()
+        self.instances: dict[str, list[SimInstance]] = {"colocated": [], "prefill": [], "decode": []}
+        self.links: dict[str, Any] = {}
+        self.held: dict[str, SimInstance] = {}  # request id -> the prefill instance keeping its K/V
+        self._params: dict[int, SamplingParams] = {}
+        for s in spec.instances:
+            if hasattr(s.model, "bind"):  # a model that needs the simulation's clock (a replay)
+                s.model.bind(lambda: self.env.now)
+            for index in range(s.count):
+                name = f"{s.role}{index}"
+                instance = SimInstance(self.env, name, s.role, s.model, s.config, self._on_outputs,
+                                       self._on_waiting_for_kv if s.role == "decode" else None, keep_timeline)
+                self.instances[s.role].append(instance)
+                if s.role == "prefill":
+                    self.links[name] = simpy.Resource(self.env, capacity=1)
+        self.env.process(self._arrivals())
+
+    # ---------------------------------------------------------------------------- requests
+    def _sampling(self, max_tokens: int) -> SamplingParams:
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return params
+
+    def _request(self, sim: SimRequest, instance: SimInstance, prefill_only: bool) -> Request:
+        return Request(request_id=str(sim.index), all_token_ids=[1] * sim.prompt_len, num_prompt_tokens=sim.prompt_len,
+                       params=self._sampling(1 if prefill_only else sim.output_len), seed=0,
+                       eos_token_ids=frozenset(), max_model_len=instance.config.max_model_len,
+                       arrival_time=self.env.now, hold_kv=prefill_only and sim.output_len > 1)
+
+    def _arrivals(self) -> Any:
+        env = self.env
+        for sim in self.requests:
+            if sim.arrival > env.now:
+                yield env.timeout(sim.arrival - env.now)
+            self.live[str(sim.index)] = sim
+            if self.spec.disaggregated:
+                instance = min(self.instances["prefill"], key=lambda i: i.queued_tokens)
+                sim.prefill_instance = instance.name
+                self._admit(sim, instance, self._request(sim, instance, prefill_only=True))
+            else:
+                instance = min(self.instances["colocated"], key=lambda i: i.num_requests)
+                sim.prefill_instance = sim.decode_instance = instance.name
+                self._admit(sim, instance, self._request(sim, instance, prefill_only=False))
+
+    def _admit(self, sim: SimRequest, instance: SimInstance, request: Request) -> None:
+        try:
+            instance.add(request)
+        except ParameterError as err:
+            sim.dropped = f"{instance.name}: {err}"
+            self._done(sim)
+
+    def _done(self, sim: SimRequest) -> None:
+        self.live.pop(str(sim.index), None)
+        self.pending -= 1
+        if self.progress is not None:
+            self.progress(1)
+        if self.pending == 0 and not self.all_done.triggered:
+            self.all_done.succeed()
+
+    # ---------------------------------------------------------------------------- outputs
+    def _on_outputs(self, instance: SimInstance, outputs: EngineCoreOutputs) -> None:
+        now = self.env.now
+        for out in outputs.outputs:
+            sim = self.live[out.request_id]
+            if sim.first_scheduled is None and out.first_scheduled_time is not None:
+                sim.first_scheduled = out.first_scheduled_time
+            sim.token_times.extend([now] * len(out.new_token_ids))
+            if instance.role == "prefill":
+                if sim.output_len == 1:
+                    sim.finished = now
+                    self._done(sim)
+                else:
+                    self.held[out.request_id] = instance
+                    self._to_decode(sim, instance)
+            elif out.finished:
+                sim.finished = now
+                self._done(sim)
+
+    def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
+        decode = min(self.instances["decode"], key=lambda i: i.num_requests)
+        sim.decode_instance = decode.name
+        request = Request(request_id=str(sim.index), all_token_ids=[1] * sim.prompt_len + [SIM_TOKEN],
+                          num_prompt_tokens=sim.prompt_len, params=self._sampling(sim.output_len), seed=0,
+                          eos_token_ids=frozenset(), max_model_len=decode.config.max_model_len,
+                          arrival_time=sim.arrival, num_external_tokens=sim.prompt_len)
+        try:
+            decode.add(request)
+        except ParameterError as err:
+            sim.dropped = f"{decode.name}: {err}"
+            source.release_kv(str(sim.index))
+            self._done(sim)
+
+    def _on_waiting_for_kv(self, decode: SimInstance, request: Request) -> None:
+        self.env.process(self._transfer(decode, request.request_id))
+
+    def _transfer(self, decode: SimInstance, request_id: str) -> Any:
+        env, spec = self.env, self.spec
+        source = self.held.pop(request_id)
+        sim = self.live[request_id]
+        link = spec.link
+        if link is None:
+            sim.transfer_start = sim.transfer_end = env.now
+        else:
+            with self.links[source.name].request() as turn:
+                yield turn
+                sim.transfer_start = env.now
+                seconds = spec.transfer_overhead_s + link.latency_s + \
+                    spec.kv_bytes_per_token * sim.prompt_len / link.bandwidth
+                visible = seconds
+                if spec.layerwise:
+                    # Sent while the prefill's last step computed the later layers: hidden up to that step.
+                    waited = env.now - sim.token_times[0]
+                    hidden = max(0.0, source.last_step_duration - waited)
+                    visible = max(seconds / spec.num_layers, seconds - hidden)
+                yield env.timeout(visible)
+                sim.transfer_end = env.now
+        source.release_kv(request_id)
+        decode.kv_arrived(request_id)
+
+
+def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_timeline: bool = False,
+             progress: bool = False) -> SimResult:
+    """Run ``workload`` (requests with arrival times and lengths, :mod:`minipd.serve.workload`) through the
+    cluster ``spec`` until every request has finished or been dropped."""
+    if not workload:
+        raise ValueError("the workload holds no requests")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(workload), desc=f"simulating {spec.describe()}", unit="req", leave=False)
+    cluster = _Cluster(spec, workload, keep_timeline, None if bar is None else bar.update)
+    try:
+        cluster.env.run(until=cluster.all_done)
+    finally:
+        if bar is not None:
+            bar.close()
+    stats = {}
+    for group in cluster.instances.values():
+        for instance in group:
+            instance.finish_stats()
+            stats[instance.name] = instance.stats
+    return SimResult(spec, cluster.requests, stats, cluster.env.now)
+
+
+__all__ = ["ClusterSpec", "InstanceSpec", "SimRequest", "SimResult", "simulate"]

@@ -1,0 +1,143 @@
+"""A step-time model fitted to the steps an engine really took on this machine.
+
+A step's time is modelled as linear in what it computed (:class:`~minipd.engine.stats.StepWork`): a fixed
+cost, prompt tokens, the (query, key) pairs prefill attention visited, decode rows and the keys they
+read, with non-negative coefficients (a cost never makes a step faster). The engine changes regime with
+the size of a step (on a CPU it runs small steps on one thread; a GPU fills its cores only from some
+batch size on), so the tokens of a step can be split into ranges fitted separately (``splits``).
+
+Fitting weighs each step by the inverse of its time, so what is minimised is the relative error, the
+quantity reported as the model's error (MAPE) on steps it was not fitted on.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from minipd.engine.stats import StepStats, StepWork
+
+#: The features, in the order of a coefficient vector.
+FEATURES = ("constant", "prefill_tokens", "prefill_pairs", "decode_rows", "decode_context")
+
+
+def features(work: StepWork) -> tuple[float, ...]:
+    """A step's feature vector (see :data:`FEATURES`)."""
+    return (1.0, work.prefill_tokens, work.prefill_pairs, work.decode_rows, work.decode_context)
+
+
+def cycle_times(steps: Sequence[StepStats]) -> list[float]:
+    """Each step's time as the engine spent it: through to the next step's start while it had work left
+    after the step (so the work between steps, outputs and new requests, is counted); the step's own
+    duration when it went idle after it, or for the last step."""
+    steps = list(steps)
+    times = []
+    for i, s in enumerate(steps):
+        busy = s.num_running + s.num_waiting + s.num_waiting_for_kv > 0
+        following = steps[i + 1].start_time - s.start_time if i + 1 < len(steps) else -1.0
+        times.append(following if busy and following >= s.duration else s.duration)
+    return times
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of ``x @ c ≈ y`` with ``c >= 0``: drop the most negative coefficient and refit until none is."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            coef[active] = solution
+            return coef
+        del active[int(np.argmin(solution))]
+    return coef
+
+
+@dataclass(frozen=True)
+class FittedStepTime:
+    """Seconds per step = coefficients · :func:`features`, one set of coefficients per range of step tokens.
+
+    Build with :meth:`fit`. ``splits`` are the largest step (in tokens) of each range but the last:
+    ``(4,)`` fits steps of 1–4 tokens apart from larger ones.
+    """
+
+    splits: tuple[int, ...]
+    coefficients: tuple[tuple[float, ...], ...]
+    #: Where the steps came from (for the figure captions: the machine, the model, the engine options).
+    source: str = ""
+
+    def step_time(self, work: StepWork) -> float:
+        tokens = work.num_tokens
+        index = 0
+        while index < len(self.splits) and tokens > self.splits[index]:
+            index += 1
+        c = self.coefficients[index]
+        return (c[0] + c[1] * work.prefill_tokens + c[2] * work.prefill_pairs + c[3] * work.decode_rows
+                + c[4] * work.decode_context)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepWork, float]], splits: Sequence[int] = (),
+            source: str = "") -> FittedStepTime:
+        """Fit to measured steps: ``(work, seconds)`` pairs, such as :func:`timed_steps` makes of a run's
+        ``StepStats``. Raises ``ValueError`` if a range of ``splits`` holds no step; a range with fewer steps
+        than features is fitted with a fixed cost and a cost per token only."""
+        splits = tuple(sorted(splits))
+        kept = [(w, t) for w, t in samples if w.num_tokens > 0 and t > 0]
+        if not kept:
+            raise ValueError("no measured step to fit (steps with tokens and a duration)")
+        times = np.array([t for _, t in kept])
+        x_all = np.array([features(w) for w, _ in kept], dtype=float)
+        tokens = np.array([w.num_tokens for w, _ in kept])
+        bounds = (0, *splits, int(tokens.max()) + 1)
+        coefficients = []
+        for low, high in itertools.pairwise(bounds):
+            mask = (tokens > low) & (tokens <= high)
+            if not mask.any():
+                raise ValueError(f"no measured step of {low + 1}–{high} tokens to fit; change splits={splits}")
+            x, y = x_all[mask], times[mask]
+            weight = 1.0 / y  # relative error, not absolute: short steps count as much as long ones
+            if mask.sum() < len(FEATURES):
+                simple = np.stack([np.ones(len(y)), tokens[mask].astype(float)], axis=1)  # constant + tokens
+                c0, c1 = _nonnegative_fit(simple * weight[:, None], y * weight)
+                coefficients.append((float(c0), float(c1), 0.0, float(c1), 0.0))
+                continue
+            coef = _nonnegative_fit(x * weight[:, None], y * weight)
+            coefficients.append(tuple(float(c) for c in coef))
+        return cls(splits, tuple(coefficients), source)
+
+    def errors(self, samples: Sequence[tuple[StepWork, float]]) -> np.ndarray:
+        """Relative error of the predicted time of each measured step (``predicted / measured - 1``)."""
+        return np.array([self.step_time(w) / t - 1.0 for w, t in samples if w.num_tokens > 0 and t > 0])
+
+    def mape(self, samples: Sequence[tuple[StepWork, float]]) -> float:
+        """Mean absolute percentage error on measured steps (a fraction: 0.05 is 5%)."""
+        return float(np.abs(self.errors(samples)).mean())
+
+    def describe(self) -> str:
+        parts = []
+        bounds = (0, *self.splits, None)
+        for (low, high), c in zip(itertools.pairwise(bounds), self.coefficients, strict=True):
+            span = f"{low + 1}+ tokens" if high is None else f"{low + 1}–{high} tokens"
+            parts.append(f"{span}: {c[0] * 1e3:.2f} ms + {c[1] * 1e6:.1f} µs/prompt token + "
+                         f"{c[2] * 1e9:.2f} ns/attention pair + {c[3] * 1e6:.1f} µs/decode row + "
+                         f"{c[4] * 1e9:.2f} ns/key read")
+        return "; ".join(parts)
+
+
+def timed_steps(steps: Sequence[StepStats]) -> list[tuple[StepWork, float]]:
+    """A run's steps (in order) as ``(work, seconds)``, timed as :func:`cycle_times` counts them."""
+    steps = list(steps)
+    return [(s.work, t) for s, t in zip(steps, cycle_times(steps), strict=True)]
+
+
+def held_out_split(samples: Sequence[tuple[StepWork, float]], every: int = 5
+                   ) -> tuple[list[tuple[StepWork, float]], list[tuple[StepWork, float]]]:
+    """Every ``every``-th step held out for testing, the rest for fitting (interleaved, so both see every
+    phase of a run)."""
+    samples = list(samples)
+    return [x for i, x in enumerate(samples) if i % every], [x for i, x in enumerate(samples) if not i % every]
+
+
+__all__ = ["FEATURES", "FittedStepTime", "cycle_times", "features", "held_out_split", "timed_steps"]

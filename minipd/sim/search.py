@@ -1,0 +1,179 @@
+"""Goodput and placement: the highest rate a cluster serves within its SLOs, and the best cluster for a device budget.
+
+**Goodput** (DistServe's): the highest request rate at which at least 90% of requests meet both the TTFT
+and the TPOT objective. :func:`find_goodput` finds it for any ``run_at(rate)``, simulated or real: it
+doubles the rate until attainment fails, then bisects until the bracket is within ``rel_tol``.
+
+**Placement** (:func:`search_placements`): every way to spend a budget of devices on colocated instances
+(``n`` instances of tensor-parallel degree ``tp``) or on prefill and decode instances (``p × tp_p +
+d × tp_d`` devices), each simulated on the same workload at increasing rates, ranked by goodput per
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from minipd.config import ModelConfig
+from minipd.serve.loadgen import RequestResult, Slo
+from minipd.serve.workload import PlannedRequest, synthetic_workload
+from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
+from minipd.sim.costs import DeviceSpec, kv_bytes_per_token
+from minipd.sim.instance import InstanceConfig
+from minipd.sim.roofline import Link, RooflineStepTime
+
+
+def find_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, start: float = 1.0,
+                 attainment: float = 0.9, rel_tol: float = 0.03, max_runs: int = 24
+                 ) -> tuple[float, list[tuple[float, float]]]:
+    """The highest rate (requests/s) at which at least ``attainment`` of the requests ``run_at(rate)`` returns
+    meet ``slo``: doubling from ``start`` (or halving, if ``start`` already fails), then bisecting to
+    ``rel_tol``. Returns it (0.0 if even ``start / 2**10`` fails) and every (rate, attainment) tried."""
+    if start <= 0 or not 0 < attainment <= 1 or rel_tol <= 0:
+        raise ValueError(f"need start > 0, 0 < attainment <= 1 and rel_tol > 0; got {start}, {attainment}, {rel_tol}")
+    tried: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        results = run_at(rate)
+        share = sum(slo.met(r) for r in results) / max(len(results), 1)
+        tried.append((rate, share))
+        return share >= attainment
+
+    low, high = 0.0, start
+    if ok(start):
+        low, high = start, 2 * start
+        while len(tried) < max_runs and ok(high):
+            low, high = high, 2 * high
+    else:
+        for _ in range(10):
+            high, candidate = high / 2, high / 2
+            if ok(candidate):
+                low, high = candidate, 2 * candidate
+                break
+        else:
+            return 0.0, tried
+    while len(tried) < max_runs and (high - low) > rel_tol * high:
+        middle = (low + high) / 2
+        low, high = (middle, high) if ok(middle) else (low, middle)
+    return low, tried
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """What a placement is tested with: request lengths, burstiness, how many requests, a seed."""
+
+    prompt_lens: str | int = "256:1024"
+    output_lens: str | int = "64:256"
+    num_requests: int = 400
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def at(self, rate: float) -> list[PlannedRequest]:
+        """The workload at ``rate`` requests/s (the same lengths at every rate)."""
+        return synthetic_workload(self.num_requests, rate, self.prompt_lens, self.output_lens, self.burstiness,
+                                  self.seed)
+
+
+@dataclass
+class PlacementResult:
+    """One placement's goodput."""
+
+    spec: ClusterSpec
+    goodput: float
+    tried: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def per_device(self) -> float:
+        return self.goodput / self.spec.devices
+
+    @property
+    def name(self) -> str:
+        return self.spec.describe()
+
+
+@dataclass(frozen=True)
+class GpuCluster:
+    """How instances of a model are built on a kind of device: the roofline step model, KV capacity from
+    the device's memory, engine limits per role, and the link the K/V cross."""
+
+    model: ModelConfig
+    device: DeviceSpec
+    link: Link
+    dtype_bytes: int = 2
+    block_size: int = 16
+    #: Chunk budget of colocated instances (chunked prefill) and of prefill instances (whole prompts).
+    colocated_batched_tokens: int = 2048
+    prefill_batched_tokens: int = 16384
+    max_num_seqs: int = 256
+    colocated_policy: str = "decode-first"
+    layerwise: bool = False
+
+    def step_model(self, tp: int) -> RooflineStepTime:
+        return RooflineStepTime(self.model, self.device, tp=tp, dtype_bytes=self.dtype_bytes)
+
+    def config(self, tp: int, role: str) -> InstanceConfig:
+        tokens = self.step_model(tp).kv_capacity_tokens(self.device.memory_bytes)
+        if tokens < self.block_size:
+            raise ValueError(f"{self.model.model_type} does not fit {tp} x {self.device.name} with room for K/V")
+        budget = {"colocated": self.colocated_batched_tokens, "prefill": self.prefill_batched_tokens,
+                  "decode": self.colocated_batched_tokens}[role]
+        policy = self.colocated_policy if role == "colocated" else "decode-first"
+        return InstanceConfig(num_kv_blocks=tokens // self.block_size, block_size=self.block_size,
+                              max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+                              scheduling_policy=policy)
+
+    def fits(self, tp: int) -> bool:
+        return self.step_model(tp).kv_capacity_tokens(self.device.memory_bytes) >= self.block_size * 64
+
+    def colocated(self, count: int, tp: int) -> ClusterSpec:
+        return ClusterSpec.colocated(self.step_model(tp), self.config(tp, "colocated"), count, tp)
+
+    def disaggregated(self, prefill: int, tp_prefill: int, decode: int, tp_decode: int) -> ClusterSpec:
+        return ClusterSpec.disaggregated_cluster(
+            InstanceSpec("prefill", self.step_model(tp_prefill), self.config(tp_prefill, "prefill"), prefill,
+                         tp_prefill),
+            InstanceSpec("decode", self.step_model(tp_decode), self.config(tp_decode, "decode"), decode, tp_decode),
+            kv_bytes_per_token(self.model, self.dtype_bytes), self.link, self.layerwise,
+            self.model.num_hidden_layers)
+
+
+def placements(cluster: GpuCluster, devices: int, tps: Sequence[int] = (1, 2, 4, 8),
+               colocated: bool = True, disaggregated: bool = True) -> list[ClusterSpec]:
+    """Every placement that uses exactly ``devices`` devices, with tensor-parallel degrees from ``tps`` that
+    leave room for K/V."""
+    usable = [tp for tp in tps if tp <= devices and cluster.fits(tp)]
+    specs = []
+    if colocated:
+        specs += [cluster.colocated(devices // tp, tp) for tp in usable if devices % tp == 0]
+    if disaggregated:
+        for tp_p in usable:
+            for tp_d in usable:
+                for p in range(1, devices // tp_p + 1):
+                    rest = devices - p * tp_p
+                    if rest >= tp_d and rest % tp_d == 0:
+                        specs.append(cluster.disaggregated(p, tp_p, rest // tp_d, tp_d))
+    return specs
+
+
+def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo: Slo, attainment: float = 0.9,
+                      rel_tol: float = 0.05, progress: bool = False) -> list[PlacementResult]:
+    """The goodput of each placement on ``workload``, best goodput per device first."""
+    results = []
+    iterator = specs
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(specs, desc="placements", unit="placement", leave=False)
+    per_device = 1.0
+    for spec in iterator:
+        # Each search starts near the last goodput per device found: fewer doublings.
+        rate, tried = find_goodput(lambda r, s=spec: simulate(s, workload.at(r)).results(), slo,
+                                   start=per_device * spec.devices, attainment=attainment, rel_tol=rel_tol)
+        results.append(PlacementResult(spec, rate, tried))
+        if rate > 0:
+            per_device = rate / spec.devices
+    return sorted(results, key=lambda r: -r.per_device)
+
+
+__all__ = ["GpuCluster", "PlacementResult", "WorkloadShape", "find_goodput", "placements", "search_placements"]

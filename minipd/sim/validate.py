@@ -1,0 +1,285 @@
+"""Checking the simulator against the engine: the same workload run for real and simulated.
+
+- :func:`run_engine` drives a real engine (an :class:`~minipd.LLM` or a
+  :class:`~minipd.pd.llm.DisaggregatedLLM`) open loop: each request enters at its arrival time, and
+  every token's time is recorded as a client would see it;
+- :func:`instance_config` reads the engine settings a simulated instance needs from a real engine;
+- :class:`ReplayStepTime` gives the simulator the step durations a real run measured, in order, so the
+  only thing left to compare is the scheduling (:func:`scheduling_agreement`);
+- :func:`fit_link` fits a transfer's fixed cost and bandwidth to the transfers a disaggregated run timed;
+- :func:`compare` puts the real and simulated latencies side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minipd.engine.stats import StepStats, StepWork
+from minipd.sampling_params import SamplingParams
+from minipd.serve.loadgen import BASE_TEXT, RequestResult, Slo, summarize
+from minipd.serve.workload import PlannedRequest, prompt_ids
+from minipd.sim.cluster import SimResult
+from minipd.sim.fitted import cycle_times
+from minipd.sim.instance import InstanceConfig
+
+if TYPE_CHECKING:
+    from minipd.sim.roofline import Link
+
+
+@dataclass
+class RealRun:
+    """A workload run on a real engine."""
+
+    results: list[RequestResult]
+    #: Every step the engine (or each disaggregated worker, named in ``StepStats.worker``) took.
+    steps: list[StepStats]
+    #: When each request entered the engine, seconds from the run's start (the simulator's arrivals).
+    entered: list[float]
+    #: Disaggregated runs: (bytes, seconds) of every K/V transfer.
+    transfers: list[tuple[int, float]] = field(default_factory=list)
+    #: ``time.perf_counter()`` at the run's start (step records are in that clock).
+    start: float = 0.0
+
+    def to_json(self) -> str:
+        """The run as JSON (steps, results, arrivals, transfers), to measure on one machine and study on another."""
+        return json.dumps({"steps": [dataclasses.asdict(s) for s in self.steps],
+                           "results": [dataclasses.asdict(r) for r in self.results], "entered": self.entered,
+                           "transfers": self.transfers, "start": self.start})
+
+    @classmethod
+    def from_json(cls, text: str) -> RealRun:
+        raw = json.loads(text)
+        tuples = {f.name for f in dataclasses.fields(StepStats) if str(f.type).startswith("tuple")}
+        steps = [StepStats(**{k: tuple(v) if k in tuples else v for k, v in s.items()}) for s in raw["steps"]]
+        return cls([RequestResult(**r) for r in raw["results"]], steps, raw["entered"],
+                   [tuple(t) for t in raw["transfers"]], raw["start"])
+
+    def results_from_entry(self) -> list[RequestResult]:
+        """The results timed from when each request entered the engine, not from when it was due (for a
+        replay, whose arrivals are the entries)."""
+        return [dataclasses.replace(r, intended=t, ttft=r.ttft + r.intended - t, e2el=r.e2el + r.intended - t)
+                for r, t in zip(self.results, self.entered, strict=True)]
+
+    def workload(self) -> list[PlannedRequest]:
+        """The workload as it really entered the engine (arrivals as sent, lengths as produced)."""
+        return [PlannedRequest(t, r.prompt_tokens, r.output_tokens) for t, r in zip(self.entered, self.results,
+                                                                                    strict=True)]
+
+
+def load_runs(path: str | Path) -> tuple[dict[str, Any], dict[float, RealRun]]:
+    """Real runs stored by ``scripts/gpu_sim_calibration.py`` (JSON, gzipped when the name ends in ``.gz``):
+    what was measured (device, model, engine options) and the runs by request rate."""
+    raw = Path(path).read_bytes()
+    report = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+    runs = {float(rate): RealRun.from_json(json.dumps(run)) for rate, run in report.pop("runs").items()}
+    return report, runs
+
+
+def instance_config(llm: Any) -> InstanceConfig:
+    """The settings of a colocated engine (an ``LLM``) as a simulated instance takes them."""
+    scheduler = llm.engine.core.scheduler
+    if scheduler.block_manager.enable_prefix_caching:
+        raise ValueError("the simulator models no prefix cache: build the engine with enable_prefix_caching=False")
+    return InstanceConfig(num_kv_blocks=scheduler.block_manager.num_blocks,
+                          block_size=scheduler.block_manager.block_size,
+                          max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                          max_num_seqs=scheduler.max_num_seqs, scheduling_policy=scheduler.policy.name,
+                          max_model_len=llm.engine.core.max_model_len)
+
+
+def run_engine(engine: Any, workload: Sequence[PlannedRequest], progress: bool = False) -> RealRun:
+    """Run ``workload`` on ``engine`` (an ``LLM`` or a ``DisaggregatedLLM`` with nothing in flight) in this
+    thread, each request entering when its time comes; greedy, ``ignore_eos``, so each makes exactly its
+    output length. Prompts are cut from the tokens of a fixed text, so they differ from each other."""
+    from minipd.pd.llm import DisaggregatedLLM
+
+    disaggregated = isinstance(engine, DisaggregatedLLM)
+    if disaggregated:
+        add, busy = engine.add_request, engine.has_unfinished_requests
+        history_before = len(engine.step_stats)
+    else:
+        add, busy = engine.engine.add_request, engine.engine.has_unfinished_requests
+        history_before = engine.engine.core.num_steps
+    if busy():
+        raise ValueError("the engine has requests in flight; finish or abort them first")
+    base = engine.get_tokenizer().encode(BASE_TEXT)
+    n = len(workload)
+    params = {o: SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in {p.output_len for p in workload}}
+    times: dict[str, list[float]] = {}
+    finished: dict[str, float] = {}
+    transfers: list[tuple[int, float]] = []
+    entered = [0.0] * n
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc="real run", unit="req", leave=False)
+    start = time.perf_counter()
+    index = 0
+    while index < n or busy():
+        now = time.perf_counter() - start
+        while index < n and workload[index].send_at <= now:
+            item = workload[index]
+            entered[index] = time.perf_counter() - start  # (before the engine has it: its next step sees it)
+            add(prompt_ids(base, item.prompt_len, index), params[item.output_len], str(index))
+            times[str(index)] = []
+            index += 1
+        if not busy():
+            if index < n:
+                time.sleep(max(0.0, workload[index].send_at - (time.perf_counter() - start)))
+            continue
+        if disaggregated:
+            wait = 0.002 if index >= n else max(0.0, min(0.002, workload[index].send_at - now))
+            deltas = engine.step(timeout=wait)
+        else:
+            deltas = engine.engine.step()
+        stamp = time.perf_counter() - start
+        for delta in deltas:
+            if delta.token_id is not None:
+                times[delta.request_id].append(stamp)
+            if delta.finished:
+                finished[delta.request_id] = stamp
+                metrics = delta.output.metrics
+                if metrics.kv_transfer_start is not None and metrics.kv_transfer_end is not None:
+                    transfers.append((metrics.kv_transfer_bytes, metrics.kv_transfer_end - metrics.kv_transfer_start))
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    results = []
+    for i, item in enumerate(workload):
+        stamps = times[str(i)]
+        ok = bool(stamps) and str(i) in finished
+        results.append(RequestResult(item.send_at, entered[i], ok, "" if ok else "unfinished", item.prompt_len,
+                                     len(stamps), stamps[0] - item.send_at if stamps else 0.0,
+                                     finished.get(str(i), 0.0) - item.send_at,
+                                     [b - a for a, b in itertools.pairwise(stamps)]))
+    if disaggregated:
+        steps = list(engine.step_stats)[history_before:]
+    else:
+        steps = [s for s in engine.engine.step_stats if s.step >= history_before]
+    return RealRun(results, steps, entered, transfers, start)
+
+
+def run_core(core: Any, workload: Sequence[PlannedRequest], vocab_size: int, seed: int = 0) -> RealRun:
+    """Run ``workload`` on an engine core (an :class:`~minipd.engine.core.EngineCore`, say on a GPU with random
+    weights) in this thread, as :func:`run_engine` does for an ``LLM``, with random prompt tokens and no
+    tokenizer. Its steps' records are kept however many there are."""
+    from minipd.engine.request import Request
+
+    rng = np.random.default_rng(seed)
+    core.step_stats = deque(maxlen=None)
+    n = len(workload)
+    params = {o: SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in {p.output_len for p in workload}}
+    times: dict[str, list[float]] = {}
+    finished: dict[str, float] = {}
+    entered = [0.0] * n
+    start = time.perf_counter()
+    index = 0
+    while index < n or core.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while index < n and workload[index].send_at <= now:
+            item = workload[index]
+            entered[index] = time.perf_counter() - start
+            ids = rng.integers(0, vocab_size, item.prompt_len).tolist()
+            core.add_request(Request(request_id=str(index), all_token_ids=ids, num_prompt_tokens=len(ids),
+                                     params=params[item.output_len], seed=0, eos_token_ids=frozenset(),
+                                     max_model_len=core.max_model_len, arrival_time=start + entered[index]))
+            times[str(index)] = []
+            index += 1
+        if not core.has_unfinished_requests():
+            if index < n:
+                time.sleep(max(0.0, workload[index].send_at - (time.perf_counter() - start)))
+            continue
+        outputs = core.step()
+        stamp = time.perf_counter() - start
+        for out in outputs.outputs:
+            times[out.request_id].extend([stamp] * len(out.new_token_ids))
+            if out.finished:
+                finished[out.request_id] = stamp
+    results = []
+    for i, item in enumerate(workload):
+        stamps = times[str(i)]
+        results.append(RequestResult(item.send_at, entered[i], str(i) in finished, "", item.prompt_len, len(stamps),
+                                     stamps[0] - item.send_at if stamps else 0.0,
+                                     finished.get(str(i), 0.0) - item.send_at,
+                                     [b - a for a, b in itertools.pairwise(stamps)]))
+    return RealRun(results, list(core.step_stats), entered, [], start)
+
+
+class ReplayStepTime:
+    """The steps of a real run, replayed: simulated step ``i`` ends when the real step ``i`` ended (at the
+    next step's start while the engine stayed busy, so the time between steps counts too), whatever the
+    simulation's clock says when it starts. The simulation gives it its clock (:meth:`bind`). Also records
+    what each simulated step computed, for :func:`scheduling_agreement`."""
+
+    def __init__(self, steps: Sequence[StepStats], origin: float) -> None:
+        steps = list(steps)
+        times = cycle_times(steps)
+        self.ends = [s.start_time - origin + t for s, t in zip(steps, times, strict=True)]
+        self.works: list[StepWork] = []
+        self._clock: Any = None
+
+    def bind(self, clock: Any) -> None:
+        """Use ``clock()`` (the simulation's time) to tell how long is left of each step."""
+        self._clock = clock
+
+    def step_time(self, work: StepWork) -> float:
+        index = len(self.works)
+        self.works.append(work)
+        if self._clock is None:
+            raise RuntimeError("ReplayStepTime needs the simulation's clock: run it through simulate()")
+        end = self.ends[index] if index < len(self.ends) else self._clock()
+        return max(0.0, end - self._clock())
+
+
+def scheduling_agreement(real_steps: Sequence[StepStats], replayed: ReplayStepTime) -> float:
+    """Share of the real run's steps whose batch (prompt tokens, prefill rows, decode rows) the replay matched."""
+    if not real_steps:
+        return 0.0
+    same = sum(1 for real, sim in zip(real_steps, replayed.works, strict=False)
+               if (real.work.prefill_tokens, real.work.prefill_rows, real.work.decode_rows)
+               == (sim.prefill_tokens, sim.prefill_rows, sim.decode_rows))
+    return same / max(len(real_steps), len(replayed.works))
+
+
+def fit_link(transfers: Sequence[tuple[int, float]], name: str = "measured") -> Link:
+    """A link whose ``latency + bytes / bandwidth`` fits the measured transfers (least squares)."""
+    from minipd.sim.roofline import Link
+
+    if len(transfers) < 2:
+        raise ValueError("need at least two measured transfers to fit a link")
+    size = np.array([b for b, _ in transfers], dtype=float)
+    seconds = np.array([t for _, t in transfers], dtype=float)
+    if np.ptp(size) == 0:
+        return Link(name, float("inf"), float(np.median(seconds)))
+    slope, intercept = np.polyfit(size, seconds, 1)
+    slope, intercept = max(float(slope), 1e-15), max(float(intercept), 0.0)
+    return Link(name, 1.0 / slope, intercept)
+
+
+def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResult], slo: Slo | None = None
+            ) -> dict[str, dict[str, float]]:
+    """P50 and P90 of TTFT and TPOT (ms) and SLO attainment, real beside simulated, with the relative error."""
+    simulated = sim.results() if isinstance(sim, SimResult) else list(sim)
+    ours, theirs = summarize(list(real), slo), summarize(simulated, slo)
+    table = {}
+    for key in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "slo_attainment"):
+        r, s = ours[key], theirs[key]
+        table[key] = {"real": r, "sim": s, "error": (s - r) if key == "slo_attainment" else (s / r - 1 if r else 0.0)}
+    return table
+
+
+__all__ = ["RealRun", "ReplayStepTime", "compare", "fit_link", "instance_config", "load_runs", "run_core", "run_engine",
+           "scheduling_agreement"]

@@ -1,0 +1,164 @@
+"""minipd.sim's cluster simulator: queueing theory where it has closed forms, conservation, determinism, the
+engine's own scheduling decisions (preemption, waiting for K/V), and the KV link's arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipd.engine.stats import StepWork
+from minipd.serve.loadgen import Slo
+from minipd.serve.workload import PlannedRequest, synthetic_workload
+from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
+from minipd.sim.instance import InstanceConfig
+from minipd.sim.roofline import Link
+
+
+class Exponential:
+    """Service times drawn at random, whatever the step holds (an M/M/1 server when one request runs at a time)."""
+
+    def __init__(self, mean: float, seed: int) -> None:
+        self.rng, self.mean = np.random.default_rng(seed), mean
+
+    def step_time(self, work: StepWork) -> float:
+        return float(self.rng.exponential(self.mean))
+
+
+class Linear:
+    """A fixed cost per step, per prompt token and per decode row."""
+
+    def __init__(self, fixed: float = 0.01, per_token: float = 1e-4, per_row: float = 2e-4) -> None:
+        self.fixed, self.per_token, self.per_row = fixed, per_token, per_row
+
+    def step_time(self, work: StepWork) -> float:
+        return self.fixed + self.per_token * work.prefill_tokens + self.per_row * work.decode_rows
+
+
+ONE_AT_A_TIME = InstanceConfig(num_kv_blocks=4, max_num_seqs=1)
+
+
+def test_one_request_at_a_time_is_an_m_m_1_queue():
+    """Poisson arrivals at 0.7, exponential service of mean 1: the mean wait is ρ / (μ − λ) = 7/3 (within 3%)."""
+    workload = synthetic_workload(100_000, 0.7, 1, 1, seed=3)
+    result = simulate(ClusterSpec.colocated(Exponential(1.0, seed=5), ONE_AT_A_TIME), workload)
+    wait = np.mean([r.queueing for r in result.requests])
+    assert wait == pytest.approx(0.7 / 0.3, rel=0.03)
+    assert result.utilisation()["colocated0"] == pytest.approx(0.7, abs=0.01)
+
+
+def test_constant_service_is_an_m_d_1_queue():
+    """Deterministic service: the Pollaczek–Khinchine mean wait ρ / (2μ(1 − ρ)), half the M/M/1 one."""
+    workload = synthetic_workload(50_000, 0.7, 1, 1, seed=4)
+    result = simulate(ClusterSpec.colocated(Linear(1.0, 0.0, 0.0), ONE_AT_A_TIME), workload)
+    wait = np.mean([r.queueing for r in result.requests])
+    assert wait == pytest.approx(0.7 / (2 * 0.3), rel=0.03)
+
+
+def test_a_run_is_the_same_for_the_same_seed_and_differs_for_another():
+    config = InstanceConfig(num_kv_blocks=400, max_num_batched_tokens=256, max_num_seqs=16)
+    spec = ClusterSpec.colocated(Linear(), config, count=2)
+
+    def ttfts(seed: int) -> list[float]:
+        result = simulate(spec, synthetic_workload(200, 30, "16:300", "2:40", seed=seed))
+        return [r.ttft for r in result.requests]
+
+    assert ttfts(1) == ttfts(1)
+    assert ttfts(1) != ttfts(2)
+
+
+def test_every_request_finishes_or_is_counted_dropped_and_every_block_comes_back():
+    """Overload with a small pool: requests are preempted (the engine's scheduler does it) and too-long ones
+    dropped; none is lost, every token is produced, every block is free at the end."""
+    config = InstanceConfig(num_kv_blocks=40, block_size=16, max_num_batched_tokens=128, max_num_seqs=32)
+    workload = synthetic_workload(300, 200, "16:200", "4:100", seed=7)
+    workload.append(PlannedRequest(workload[-1].send_at, 2000, 10))  # could never fit 40 blocks of 16
+    for spec in (ClusterSpec.colocated(Linear(), config, 2),
+                 ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), config),
+                                                   InstanceSpec("decode", Linear(), config, 2), 1000.0,
+                                                   Link("test", 1e9, 1e-5))):
+        result = simulate(spec, workload)
+        dropped = [r for r in result.requests if r.dropped]
+        assert [r.prompt_len for r in dropped] == [2000]
+        assert "2000" in dropped[0].dropped or "blocks" in dropped[0].dropped
+        for request in result.requests:
+            if not request.dropped:
+                assert len(request.token_times) == request.output_len
+                assert request.finished is not None and request.finished >= request.token_times[-1]
+        assert sum(s.preemptions for s in result.instances.values()) > 0  # the pool really ran out
+        summary = result.summary()
+        assert summary["completed"] + summary["failed"] == len(workload)
+
+
+def test_a_disaggregated_request_pays_its_transfer_once_between_its_first_and_second_token():
+    """One request alone: TTFT is its prefill step; the second token comes after the transfer (latency +
+    bytes / bandwidth) and one decode step; layer-wise sending hides what fits in the prefill step."""
+    model = Linear(fixed=0.010, per_token=1e-4, per_row=0.0)
+    config = InstanceConfig(num_kv_blocks=100)
+    link = Link("test", 1e9, 2e-3)
+    prompt, per_token = 500, 40_000.0  # 20 MB: 20 ms on the link
+    workload = [PlannedRequest(0.0, prompt, 3)]
+    for layerwise, visible in ((False, 0.002 + 0.020), (True, 0.022 - 0.060)):
+        spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", model, config),
+                                                 InstanceSpec("decode", model, config), per_token, link,
+                                                 layerwise=layerwise, num_layers=10)
+        request = simulate(spec, workload).requests[0]
+        prefill = 0.010 + 1e-4 * prompt
+        assert request.ttft == pytest.approx(prefill)
+        expected = max(visible, 0.022 / 10)  # at least one layer's share is never hidden
+        assert request.transfer_time == pytest.approx(expected)
+        assert request.token_times[1] - request.token_times[0] == pytest.approx(expected + 0.010)
+        assert request.prefill_instance == "prefill0" and request.decode_instance == "decode0"
+
+
+def test_a_full_decode_pool_holds_requests_back_and_their_kv_fills_the_prefill_pool():
+    """Backpressure, as in the engine: requests the decode instance cannot admit keep their K/V on the
+    prefill instance, which then stops admitting new prompts until transfers free blocks."""
+    small = InstanceConfig(num_kv_blocks=24, block_size=16, max_num_seqs=64)
+    spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-6, 0), small),
+                                             InstanceSpec("decode", Linear(0.02, 0, 1e-4), small), 100.0,
+                                             Link("test", 1e12, 0.0))
+    workload = synthetic_workload(60, 500, 100, 50, seed=2)
+    result = simulate(spec, workload)
+    assert all(r.finished is not None and len(r.token_times) == 50 for r in result.requests)
+    waits = [r.transfer_start - r.token_times[0] for r in result.requests]
+    assert max(waits) > 0.5  # held on the prefill side until a decode slot freed
+    assert result.instances["prefill0"].busy_time < result.instances["decode0"].busy_time
+
+
+def test_colocated_instances_share_the_load_and_goodput_checks_slos():
+    config = InstanceConfig(num_kv_blocks=1000, max_num_batched_tokens=512, max_num_seqs=64)
+    workload = synthetic_workload(400, 40, "32:256", "8:64", seed=1)
+    one = simulate(ClusterSpec.colocated(Linear(), config, 1), workload)
+    two = simulate(ClusterSpec.colocated(Linear(), config, 2), workload)
+    assert {r.decode_instance for r in two.requests} == {"colocated0", "colocated1"}
+    slo = Slo(ttft_ms=200, tpot_ms=30)
+    assert two.attainment(slo) >= one.attainment(slo)
+    assert two.summary(slo)["median_ttft_ms"] < one.summary(slo)["median_ttft_ms"]
+
+
+def test_a_placement_of_a_thousand_requests_simulates_quickly():
+    import time
+
+    config = InstanceConfig(num_kv_blocks=4000, max_num_batched_tokens=1024, max_num_seqs=128)
+    spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), config, 2),
+                                             InstanceSpec("decode", Linear(), config, 2), 1000.0,
+                                             Link("test", 50e9, 5e-6))
+    workload = synthetic_workload(1000, 20, "64:512", "16:128", seed=1)
+    start = time.perf_counter()
+    result = simulate(spec, workload)
+    seconds = time.perf_counter() - start
+    print(f"1,000 requests over {spec.describe()}: {seconds:.2f} s")
+    assert result.summary()["completed"] == 1000
+    assert seconds < 5  # the issue's target is 1 s on a quiet machine; the bound only catches a collapse
+
+
+def test_bad_cluster_specs_are_refused_with_the_reason():
+    config = InstanceConfig(num_kv_blocks=10)
+    with pytest.raises(ValueError, match="either colocated or disaggregated"):
+        ClusterSpec((InstanceSpec("colocated", Linear(), config), InstanceSpec("decode", Linear(), config)))
+    with pytest.raises(ValueError, match="needs prefill and decode"):
+        ClusterSpec((InstanceSpec("prefill", Linear(), config),))
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        InstanceConfig(num_kv_blocks=0)
+    with pytest.raises(ValueError, match="no requests"):
+        simulate(ClusterSpec.colocated(Linear(), config), [])
