@@ -149,7 +149,7 @@ class CompiledDecode:
                  v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend)
         # The kernels are reached through ``self`` (an input of the traced call): the compiler can only wrap
-        # objects it can find again, and torch 2.11 could not find a module global here (a graph break).
+        # objects it can find again. (On torch 2.11 it also failed on ForwardContext's default value: see there.)
         hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden)
         return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)

@@ -18,7 +18,13 @@ class ForwardContext:
     """The cache (None for plain full attention) and the kernel backend of one forward pass."""
 
     cache: KVCache | None = None
-    kernels: KernelBackend = TORCH_BACKEND
+    # None means the torch references. (Not TORCH_BACKEND as the default itself: torch 2.11's compiler
+    # cannot wrap an object held in a function's defaults, and this __init__ runs inside compiled steps.)
+    kernels: KernelBackend = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", TORCH_BACKEND)
 
     @classmethod
     def of(cls, context: ForwardContext | KVCache | None) -> ForwardContext:
