@@ -6,5 +6,10 @@
   (:class:`~minipd.sim.roofline.RooflineStepTime`: datasheet peaks at stated efficiencies, tensor
   parallelism and its all-reduces, KV capacity) and the interconnects (:class:`~minipd.sim.roofline.Link`);
 - :mod:`minipd.sim.batching`: chapter 04's simulator of static, dynamic and continuous batching on a
-  step-time model.
+  step-time model;
+- the cluster simulator of chapter 05b: :mod:`~minipd.sim.instance` (an instance running the engine's own
+  scheduler on a step-time model and a simulated clock), :mod:`~minipd.sim.cluster` (arrivals, router,
+  colocated or prefill/decode instances, the KV link, on simpy), :mod:`~minipd.sim.fitted` (step times
+  fitted to a real run), :mod:`~minipd.sim.search` (goodput, placements), :mod:`~minipd.sim.validate`
+  (real runs beside simulated ones) and :mod:`~minipd.sim.cli` (``python -m minipd simulate``).
 """

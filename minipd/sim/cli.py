@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from minipd.serve.loadgen import Slo, format_summary
-from minipd.serve.workload import trace_workload
+from minipd.serve.workload import synthetic_workload, trace_workload
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, H200, preset
 from minipd.sim.roofline import IB_400G, NVLINK4, PCIE5_X16
@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rank every placement on this many devices by goodput per device")
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s (default 4)")
     parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
-    parser.add_argument("--num-requests", type=int, default=500)
+    parser.add_argument("--num-requests", type=int, default=200,
+                        help="requests of a single run; at least this many in each run of --goodput or --search")
+    parser.add_argument("--duration", type=float, default=60.0,
+                        help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default 60)")
     parser.add_argument("--prompt-lens", default="256:1024", help="N or LOW:HIGH (default 256:1024)")
     parser.add_argument("--output-lens", default="64:256", help="N or LOW:HIGH (default 64:256)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
@@ -78,20 +81,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = GpuCluster(preset(args.model), GPUS[args.gpu], LINKS[args.link], layerwise=args.layerwise,
                          colocated_batched_tokens=args.chunk, colocated_policy=args.policy)
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
-    shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed)
+    shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed,
+                          args.duration)
     report: dict[str, Any] = {"model": args.model, "gpu": GPUS[args.gpu].name, "link": LINKS[args.link].name,
                               "layerwise": args.layerwise, "slo": vars(slo)}
     needs_slo = args.goodput or args.search is not None
     if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
         raise ValueError("--goodput and --search need --ttft-slo-ms and/or --tpot-slo-ms")
     if args.search is not None:
-        ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, progress=True)
+        ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, verify=1,
+                                   progress=True)
         print(f"{args.model} on {args.search} x {GPUS[args.gpu].name}, link {LINKS[args.link].name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
         for result in ranked:
-            print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device")
+            check = "" if result.verified is None else f"   (whole placement at that rate: {result.verified:.0%} met)"
+            print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device"
+                  + check)
         report["placements"] = [{"placement": r.name, "goodput": r.goodput, "per_device": r.per_device,
-                                 "tried": r.tried} for r in ranked]
+                                 "tried": r.tried, "verified": r.verified} for r in ranked]
     else:
         spec = parse_placement(args.placement, cluster)
         if args.goodput:
@@ -100,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{spec.describe()}: goodput {rate:.2f} req/s ({rate / spec.devices:.2f} per device)")
             report.update(placement=spec.describe(), goodput=rate, tried=tried)
         else:
-            workload = trace_workload(args.trace) if args.trace else shape.at(args.rate)
+            workload = trace_workload(args.trace) if args.trace else synthetic_workload(
+                args.num_requests, args.rate, args.prompt_lens, args.output_lens, args.burstiness, args.seed)
             result = simulate(spec, workload, progress=True)
             summary = result.summary(slo if needs_slo or args.ttft_slo_ms or args.tpot_slo_ms else None)
             print(f"{spec.describe()} at {args.rate} req/s:")

@@ -6,8 +6,10 @@ read, with non-negative coefficients (a cost never makes a step faster). The eng
 the size of a step (on a CPU it runs small steps on one thread; a GPU fills its cores only from some
 batch size on), so the tokens of a step can be split into ranges fitted separately (``splits``).
 
-Fitting weighs each step by the inverse of its time, so what is minimised is the relative error, the
-quantity reported as the model's error (MAPE) on steps it was not fitted on.
+Fitting is plain least squares, so the model gives a step's mean time: latencies are sums of steps, and a
+model of the typical (median) step would come out short wherever steps are noisy. Its error on steps it was
+not fitted on is reported as MAPE, beside :func:`noise_floor`, the MAPE no model of the work alone can beat
+(each kind of step predicted by the median of its own measured times).
 """
 
 from __future__ import annotations
@@ -81,30 +83,30 @@ class FittedStepTime:
     def fit(cls, samples: Sequence[tuple[StepWork, float]], splits: Sequence[int] = (),
             source: str = "") -> FittedStepTime:
         """Fit to measured steps: ``(work, seconds)`` pairs, such as :func:`timed_steps` makes of a run's
-        ``StepStats``. Raises ``ValueError`` if a range of ``splits`` holds no step; a range with fewer steps
-        than features is fitted with a fixed cost and a cost per token only."""
-        splits = tuple(sorted(splits))
+        ``StepStats``, by least squares: the model predicts a step's *mean* time, so that simulated latencies,
+        sums of many steps, come out unbiased however noisy single steps are. A range of ``splits`` that holds
+        no step is merged into the next; one with fewer steps than features gets a fixed cost and a cost per
+        token only."""
         kept = [(w, t) for w, t in samples if w.num_tokens > 0 and t > 0]
         if not kept:
             raise ValueError("no measured step to fit (steps with tokens and a duration)")
         times = np.array([t for _, t in kept])
         x_all = np.array([features(w) for w, _ in kept], dtype=float)
         tokens = np.array([w.num_tokens for w, _ in kept])
+        # Only the splits with steps on both sides.
+        used = [s for s in sorted(set(splits)) if (tokens <= s).any() and (tokens > s).any()]
+        splits = tuple(s for i, s in enumerate(used) if not i or ((tokens > used[i - 1]) & (tokens <= s)).any())
         bounds = (0, *splits, int(tokens.max()) + 1)
         coefficients = []
         for low, high in itertools.pairwise(bounds):
             mask = (tokens > low) & (tokens <= high)
-            if not mask.any():
-                raise ValueError(f"no measured step of {low + 1}–{high} tokens to fit; change splits={splits}")
             x, y = x_all[mask], times[mask]
-            weight = 1.0 / y  # relative error, not absolute: short steps count as much as long ones
             if mask.sum() < len(FEATURES):
                 simple = np.stack([np.ones(len(y)), tokens[mask].astype(float)], axis=1)  # constant + tokens
-                c0, c1 = _nonnegative_fit(simple * weight[:, None], y * weight)
+                c0, c1 = _nonnegative_fit(simple, y)
                 coefficients.append((float(c0), float(c1), 0.0, float(c1), 0.0))
                 continue
-            coef = _nonnegative_fit(x * weight[:, None], y * weight)
-            coefficients.append(tuple(float(c) for c in coef))
+            coefficients.append(tuple(float(c) for c in _nonnegative_fit(x, y)))
         return cls(splits, tuple(coefficients), source)
 
     def errors(self, samples: Sequence[tuple[StepWork, float]]) -> np.ndarray:
@@ -126,6 +128,18 @@ class FittedStepTime:
         return "; ".join(parts)
 
 
+def noise_floor(samples: Sequence[tuple[StepWork, float]]) -> float:
+    """The MAPE of an oracle that predicts each step by the median time of the measured steps that did exactly
+    the same work: how much of a model's error is the machine's noise rather than the model (steps whose work
+    occurs once are left out)."""
+    groups: dict[StepWork, list[float]] = {}
+    for work, seconds in samples:
+        if work.num_tokens > 0 and seconds > 0:
+            groups.setdefault(work, []).append(seconds)
+    errors = [abs(t / float(np.median(times)) - 1.0) for times in groups.values() if len(times) > 1 for t in times]
+    return float(np.mean(errors)) if errors else 0.0
+
+
 def timed_steps(steps: Sequence[StepStats]) -> list[tuple[StepWork, float]]:
     """A run's steps (in order) as ``(work, seconds)``, timed as :func:`cycle_times` counts them."""
     steps = list(steps)
@@ -140,4 +154,5 @@ def held_out_split(samples: Sequence[tuple[StepWork, float]], every: int = 5
     return [x for i, x in enumerate(samples) if i % every], [x for i, x in enumerate(samples) if not i % every]
 
 
-__all__ = ["FEATURES", "FittedStepTime", "cycle_times", "features", "held_out_split", "timed_steps"]
+__all__ = ["FEATURES", "FittedStepTime", "cycle_times", "features", "held_out_split", "noise_floor",
+           "timed_steps"]

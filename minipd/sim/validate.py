@@ -17,7 +17,6 @@ import gzip
 import itertools
 import json
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,8 @@ class RealRun:
     steps: list[StepStats]
     #: When each request entered the engine, seconds from the run's start (the simulator's arrivals).
     entered: list[float]
-    #: Disaggregated runs: (bytes, seconds) of every K/V transfer.
+    #: Disaggregated runs: (bytes, seconds) of every K/V transfer, the seconds those the decode side waited
+    #: (what was hidden under the prefill step left out).
     transfers: list[tuple[int, float]] = field(default_factory=list)
     #: ``time.perf_counter()`` at the run's start (step records are in that clock).
     start: float = 0.0
@@ -104,59 +104,82 @@ def run_engine(engine: Any, workload: Sequence[PlannedRequest], progress: bool =
     output length. Prompts are cut from the tokens of a fixed text, so they differ from each other."""
     from minipd.pd.llm import DisaggregatedLLM
 
+    base = engine.get_tokenizer().encode(BASE_TEXT)
     disaggregated = isinstance(engine, DisaggregatedLLM)
-    if disaggregated:
-        add, busy = engine.add_request, engine.has_unfinished_requests
-        history_before = len(engine.step_stats)
-    else:
-        add, busy = engine.engine.add_request, engine.engine.has_unfinished_requests
-        history_before = engine.engine.core.num_steps
+    front = engine if disaggregated else engine.engine
+
+    def step(wait: float) -> list[_Event]:
+        # (A disaggregated front end waits for the workers' messages: never past the next arrival.)
+        deltas = engine.step(timeout=min(0.002, wait)) if disaggregated else front.step()
+        return [(d.request_id, int(d.token_id is not None), d.finished, _transfer(d) if d.finished else None)
+                for d in deltas]
+
+    return _drive(front.core, front.add_request, step, front.has_unfinished_requests, workload,
+                  lambda index, item: prompt_ids(base, item.prompt_len, index), progress)
+
+
+#: What one step said about one request: its id, how many tokens it got, whether it finished, and (bytes,
+#: seconds) of its K/V transfer when it finished after one.
+_Event = tuple[str, int, bool, "tuple[int, float] | None"]
+
+
+def _transfer(delta: Any) -> tuple[int, float] | None:
+    """(bytes, seconds) of a request's K/V transfer that the decode side waited for: the span from first
+    write to last completion, less the share of it that lay under the prefill step (layer-wise and push
+    modes send while the prefill computes)."""
+    metrics = delta.output.metrics
+    if metrics.kv_transfer_start is None or metrics.kv_transfer_end is None:
+        return None
+    span = metrics.kv_transfer_end - metrics.kv_transfer_start
+    return metrics.kv_transfer_bytes, span * (1.0 - (metrics.kv_transfer_hidden or 0.0))
+
+
+def _drive(core: Any, add: Any, step: Any, busy: Any, workload: Sequence[PlannedRequest], prompt: Any,
+           progress: bool) -> RealRun:
+    """The open loop of :func:`run_engine`: ``add(ids, params, request_id)``, ``step(seconds to the next
+    arrival) -> events`` (see ``_Event``), ``busy()``; the steps are read from ``core``'s step callbacks."""
     if busy():
         raise ValueError("the engine has requests in flight; finish or abort them first")
-    base = engine.get_tokenizer().encode(BASE_TEXT)
     n = len(workload)
     params = {o: SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in {p.output_len for p in workload}}
-    times: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {str(i): [] for i in range(n)}
     finished: dict[str, float] = {}
     transfers: list[tuple[int, float]] = []
     entered = [0.0] * n
+    steps: list[StepStats] = []
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=n, desc="real run", unit="req", leave=False)
+    core.step_callbacks.append(steps.append)  # every step of this run, however many the engine keeps
     start = time.perf_counter()
     index = 0
-    while index < n or busy():
-        now = time.perf_counter() - start
-        while index < n and workload[index].send_at <= now:
-            item = workload[index]
-            entered[index] = time.perf_counter() - start  # (before the engine has it: its next step sees it)
-            add(prompt_ids(base, item.prompt_len, index), params[item.output_len], str(index))
-            times[str(index)] = []
-            index += 1
-        if not busy():
-            if index < n:
-                time.sleep(max(0.0, workload[index].send_at - (time.perf_counter() - start)))
-            continue
-        if disaggregated:
-            wait = 0.002 if index >= n else max(0.0, min(0.002, workload[index].send_at - now))
-            deltas = engine.step(timeout=wait)
-        else:
-            deltas = engine.engine.step()
-        stamp = time.perf_counter() - start
-        for delta in deltas:
-            if delta.token_id is not None:
-                times[delta.request_id].append(stamp)
-            if delta.finished:
-                finished[delta.request_id] = stamp
-                metrics = delta.output.metrics
-                if metrics.kv_transfer_start is not None and metrics.kv_transfer_end is not None:
-                    transfers.append((metrics.kv_transfer_bytes, metrics.kv_transfer_end - metrics.kv_transfer_start))
-                if bar is not None:
-                    bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        while index < n or busy():
+            now = time.perf_counter() - start
+            while index < n and workload[index].send_at <= now:
+                entered[index] = time.perf_counter() - start  # (before the engine has it: its next step sees it)
+                add(prompt(index, workload[index]), params[workload[index].output_len], str(index))
+                index += 1
+            following = workload[index].send_at - (time.perf_counter() - start) if index < n else 1.0
+            if not busy():
+                time.sleep(max(0.0, following))
+                continue
+            events = step(max(0.0, following))
+            stamp = time.perf_counter() - start
+            for request_id, tokens, done, transfer in events:
+                times[request_id].extend([stamp] * tokens)
+                if done:
+                    finished[request_id] = stamp
+                    if transfer is not None:
+                        transfers.append(transfer)
+                    if bar is not None:
+                        bar.update(1)
+    finally:
+        core.step_callbacks.remove(steps.append)
+        if bar is not None:
+            bar.close()
     results = []
     for i, item in enumerate(workload):
         stamps = times[str(i)]
@@ -165,57 +188,27 @@ def run_engine(engine: Any, workload: Sequence[PlannedRequest], progress: bool =
                                      len(stamps), stamps[0] - item.send_at if stamps else 0.0,
                                      finished.get(str(i), 0.0) - item.send_at,
                                      [b - a for a, b in itertools.pairwise(stamps)]))
-    if disaggregated:
-        steps = list(engine.step_stats)[history_before:]
-    else:
-        steps = [s for s in engine.engine.step_stats if s.step >= history_before]
     return RealRun(results, steps, entered, transfers, start)
 
 
 def run_core(core: Any, workload: Sequence[PlannedRequest], vocab_size: int, seed: int = 0) -> RealRun:
     """Run ``workload`` on an engine core (an :class:`~minipd.engine.core.EngineCore`, say on a GPU with random
     weights) in this thread, as :func:`run_engine` does for an ``LLM``, with random prompt tokens and no
-    tokenizer. Its steps' records are kept however many there are."""
+    tokenizer."""
     from minipd.engine.request import Request
 
     rng = np.random.default_rng(seed)
-    core.step_stats = deque(maxlen=None)
-    n = len(workload)
-    params = {o: SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in {p.output_len for p in workload}}
-    times: dict[str, list[float]] = {}
-    finished: dict[str, float] = {}
-    entered = [0.0] * n
-    start = time.perf_counter()
-    index = 0
-    while index < n or core.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while index < n and workload[index].send_at <= now:
-            item = workload[index]
-            entered[index] = time.perf_counter() - start
-            ids = rng.integers(0, vocab_size, item.prompt_len).tolist()
-            core.add_request(Request(request_id=str(index), all_token_ids=ids, num_prompt_tokens=len(ids),
-                                     params=params[item.output_len], seed=0, eos_token_ids=frozenset(),
-                                     max_model_len=core.max_model_len, arrival_time=start + entered[index]))
-            times[str(index)] = []
-            index += 1
-        if not core.has_unfinished_requests():
-            if index < n:
-                time.sleep(max(0.0, workload[index].send_at - (time.perf_counter() - start)))
-            continue
-        outputs = core.step()
-        stamp = time.perf_counter() - start
-        for out in outputs.outputs:
-            times[out.request_id].extend([stamp] * len(out.new_token_ids))
-            if out.finished:
-                finished[out.request_id] = stamp
-    results = []
-    for i, item in enumerate(workload):
-        stamps = times[str(i)]
-        results.append(RequestResult(item.send_at, entered[i], str(i) in finished, "", item.prompt_len, len(stamps),
-                                     stamps[0] - item.send_at if stamps else 0.0,
-                                     finished.get(str(i), 0.0) - item.send_at,
-                                     [b - a for a, b in itertools.pairwise(stamps)]))
-    return RealRun(results, list(core.step_stats), entered, [], start)
+
+    def add(ids: list[int], params: SamplingParams, request_id: str) -> None:
+        core.add_request(Request(request_id=request_id, all_token_ids=ids, num_prompt_tokens=len(ids), params=params,
+                                 seed=0, eos_token_ids=frozenset(), max_model_len=core.max_model_len,
+                                 arrival_time=time.perf_counter()))
+
+    def step(wait: float) -> list[_Event]:
+        return [(out.request_id, len(out.new_token_ids), out.finished, None) for out in core.step().outputs]
+
+    return _drive(core, add, step, core.has_unfinished_requests, workload,
+                  lambda index, item: rng.integers(0, vocab_size, item.prompt_len).tolist(), progress=False)
 
 
 class ReplayStepTime:

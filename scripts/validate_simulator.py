@@ -1,0 +1,155 @@
+"""The simulator against minipd's real engine on this machine: colocated and 1P1D, Poisson rates up to near capacity.
+
+For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one decode worker), on tiny-py:
+
+1. a saturating run (every request at once) measures capacity (requests/s);
+2. calibration runs at 30%, 60% and 95% of capacity (their own seeds) fit the step-time models
+   (``FittedStepTime``; per worker for 1P1D, and the KV link from the measured transfers); held-out steps
+   give the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
+3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
+   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment;
+4. goodput (90% of requests within the SLOs) found by the same search on the real engine and on the simulator.
+
+    python scripts/validate_simulator.py --out assets/sim/cpu_validation.json
+
+Keep the machine otherwise idle while it runs (about 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from minipd import LLM
+from minipd.pd.llm import DisaggregatedLLM
+from minipd.serve.loadgen import Slo
+from minipd.serve.workload import synthetic_workload
+from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
+from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
+from minipd.sim.search import find_goodput
+from minipd.sim.validate import compare, fit_link, instance_config, run_engine
+
+PROMPTS, OUTPUTS = "16:256", "8:64"
+FRACTIONS = (0.3, 0.6, 0.85, 0.95)
+
+
+def cpu_label() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def workload(n: int, rate: float, seed: int) -> list:
+    return synthetic_workload(n, rate, PROMPTS, OUTPUTS, seed=seed)
+
+
+def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
+    print(f"== {label}", flush=True)
+    run_engine(engine, workload(8, 100.0, 99))  # warm-up
+    saturating = run_engine(engine, workload(n, 1e6, 7))
+    capacity = n / max(r.intended + r.e2el for r in saturating.results)
+    # Calibrated across loads (small, medium and big steps all seen), on seeds the comparisons do not use.
+    calibration = [run_engine(engine, workload(n, f * capacity, 100 + i)) for i, f in enumerate((0.3, 0.6, 0.95))]
+    models, errors = fit(calibration)
+    spec = make_spec(models)
+    print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
+    rows = []
+    for fraction in FRACTIONS:
+        rate = fraction * capacity
+        items = workload(n, rate, int(fraction * 100))
+        real = run_engine(engine, items)
+        again = run_engine(engine, items)
+        table = compare(real.results, simulate(spec, items), slo)
+        repeat = compare(real.results, again.results, slo)
+        for key, row in table.items():
+            row["repeat"], row["repeat_error"] = repeat[key]["sim"], repeat[key]["error"]
+        rows.append({"fraction": fraction, "rate": rate, **table})
+        print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
+            f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
+    real_goodput, real_tried = find_goodput(lambda r: run_engine(engine, workload(n, r, 200)).results, slo,
+                                            start=0.5 * capacity, rel_tol=0.05, max_runs=8)
+    sim_goodput, sim_tried = find_goodput(lambda r: simulate(spec, workload(n, r, 200)).results(), slo,
+                                          start=0.5 * capacity, rel_tol=0.05, max_runs=8)
+    print(f"goodput real {real_goodput:.2f}, simulated {sim_goodput:.2f} req/s", flush=True)
+    goodput = {"real": real_goodput, "sim": sim_goodput, "real_tried": real_tried, "sim_tried": sim_tried}
+    return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
+    parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
+    args = parser.parse_args(argv)
+    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "prompts": PROMPTS,
+                    "outputs": OUTPUTS, "num_requests": args.num_requests, "slo": vars(slo)}
+
+    llm = LLM("tiny-py", enable_prefix_caching=False)
+    config = instance_config(llm)
+    small = llm.engine.core.small_step_tokens
+    kv_per_token, layers = llm.kv_bytes_per_token, llm.config.num_hidden_layers
+
+    splits = (1, small, 32, 128)
+
+    def fit_colocated(runs):
+        samples = [x for run in runs for x in timed_steps(run.steps)]
+        train, test = held_out_split(samples)
+        model = FittedStepTime.fit(samples, splits, source=f"tiny-py colocated, {report['machine']}")
+        return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
+                       "model": model.describe()}
+
+    report["colocated"] = validate(llm, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
+                                   args.num_requests, slo, "colocated (LLM)")
+    report["colocated"]["engine"] = repr(llm)
+    llm.close()
+
+    with DisaggregatedLLM("tiny-py", enable_prefix_caching=False) as pd:
+        blocks = {w.role: w.num_blocks for w in pd.workers.workers.values()}
+
+        def fit_pd(runs):
+            models, errors = {}, {}
+            for role in ("prefill", "decode"):
+                samples = [x for run in runs for x in timed_steps([s for s in run.steps if s.worker.startswith(role)])]
+                train, test = held_out_split(samples)
+                # (Prefill steps are all big: one range. Decode steps are small: the colocated ranges.)
+                ranges = () if role == "prefill" else splits
+                models[role] = FittedStepTime.fit(samples, ranges)
+                errors[role] = {"mape": FittedStepTime.fit(train, ranges).mape(test),
+                                "noise_floor": noise_floor(samples), "model": models[role].describe()}
+            models["link"] = fit_link([t for run in runs for t in run.transfers])
+            errors["link"] = {"bandwidth": models["link"].bandwidth, "latency_s": models["link"].latency_s}
+            return models, errors
+
+        def pd_spec(models):
+            import dataclasses
+
+            configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
+            return ClusterSpec.disaggregated_cluster(
+                InstanceSpec("prefill", models["prefill"], configs["prefill"]),
+                InstanceSpec("decode", models["decode"], configs["decode"]),
+                # The link is fitted to the part of each transfer the decode side waited for: sent whole.
+                kv_per_token, models["link"], layerwise=False, num_layers=layers)
+
+        report["1p1d"] = validate(pd, pd_spec, fit_pd, args.num_requests, slo, "1P1D (DisaggregatedLLM)")
+        report["1p1d"]["engine"] = repr(pd)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
