@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
     parser.add_argument("--num-requests", type=int, default=200,
                         help="requests of a single run; at least this many in each run of --goodput or --search")
-    parser.add_argument("--duration", type=float, default=60.0,
-                        help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default 60)")
+    parser.add_argument("--duration", type=float, default=30.0,
+                        help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default 30)")
     parser.add_argument("--prompt-lens", default="256:1024", help="N or LOW:HIGH (default 256:1024)")
     parser.add_argument("--output-lens", default="64:256", help="N or LOW:HIGH (default 64:256)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
