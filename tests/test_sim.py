@@ -162,3 +162,11 @@ def test_bad_cluster_specs_are_refused_with_the_reason():
         InstanceConfig(num_kv_blocks=0)
     with pytest.raises(ValueError, match="no requests"):
         simulate(ClusterSpec.colocated(Linear(), config), [])
+
+
+def test_a_prompt_longer_than_the_context_is_dropped_with_the_reason_and_outputs_stop_at_the_context():
+    config = InstanceConfig(num_kv_blocks=200, max_model_len=512)
+    workload = [PlannedRequest(0.0, 600, 4), PlannedRequest(0.0, 500, 40)]
+    result = simulate(ClusterSpec.colocated(Linear(), config), workload)
+    assert "context of 512" in result.requests[0].dropped
+    assert not result.requests[1].dropped and len(result.requests[1].token_times) == 12  # 500 + 12 = 512

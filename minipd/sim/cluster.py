@@ -250,6 +250,11 @@ class _Cluster:
                 self._admit(sim, instance, self._request(sim, instance, prefill_only=False))
 
     def _admit(self, sim: SimRequest, instance: SimInstance, request: Request) -> None:
+        if sim.prompt_len >= instance.config.max_model_len:  # (the engine's front end refuses it too)
+            sim.dropped = (f"{instance.name}: a prompt of {sim.prompt_len} tokens leaves no room in the model's "
+                           f"context of {instance.config.max_model_len}")
+            self._done(sim)
+            return
         try:
             instance.add(request)
         except ParameterError as err:

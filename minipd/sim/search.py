@@ -136,7 +136,7 @@ class GpuCluster:
         policy = self.colocated_policy if role == "colocated" else "decode-first"
         return InstanceConfig(num_kv_blocks=tokens // self.block_size, block_size=self.block_size,
                               max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
-                              scheduling_policy=policy)
+                              scheduling_policy=policy, max_model_len=self.model.max_position_embeddings)
 
     def fits(self, tp: int) -> bool:
         return self.step_model(tp).kv_capacity_tokens(self.device.memory_bytes) >= self.block_size * 64
