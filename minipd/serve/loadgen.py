@@ -201,6 +201,16 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict[
     return summary
 
 
+def meets(run_at: Callable[[float], Sequence[RequestResult]], rate: float, slo: Slo, attainment: float,
+          tried: list[tuple[float, float]]) -> bool:
+    """Run at ``rate``; note (rate, share of requests meeting ``slo``) in ``tried``; whether the share reaches
+    ``attainment`` (a failed request counts as missed)."""
+    results = run_at(rate)
+    share = sum(slo.met(r) for r in results) / max(len(results), 1)
+    tried.append((rate, share))
+    return share >= attainment
+
+
 def search_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, low: float, high: float,
                    attainment: float = 0.9, iterations: int = 5) -> tuple[float, list[tuple[float, float]]]:
     """DistServe's goodput: the highest rate (requests/s) in ``[low, high]`` at which at least ``attainment`` of
@@ -209,10 +219,7 @@ def search_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo,
     tried: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        results = run_at(rate)
-        share = sum(slo.met(r) for r in results) / max(len(results), 1)
-        tried.append((rate, share))
-        return share >= attainment
+        return meets(run_at, rate, slo, attainment, tried)
 
     if not ok(low):
         return 0.0, tried
@@ -293,4 +300,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["RequestResult", "Slo", "format_summary", "run_load", "search_goodput", "summarize"]
+__all__ = ["RequestResult", "Slo", "format_summary", "meets", "run_load", "search_goodput", "summarize"]

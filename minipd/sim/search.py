@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from minipd.config import ModelConfig
-from minipd.serve.loadgen import RequestResult, Slo
+from minipd.serve.loadgen import RequestResult, Slo, meets
 from minipd.serve.workload import PlannedRequest, synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.costs import DeviceSpec, kv_bytes_per_token
@@ -44,10 +44,7 @@ def find_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, s
     tried: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        results = run_at(rate)
-        share = sum(slo.met(r) for r in results) / max(len(results), 1)
-        tried.append((rate, share))
-        return share >= attainment
+        return meets(run_at, rate, slo, attainment, tried)
 
     low, high = 0.0, start
     if ok(start):
