@@ -38,7 +38,10 @@ CHAPTERS: tuple[Chapter, ...] = (
             "worker killed live, the article's claims checked"),
     Chapter("05b_cluster_simulation",
             "from two processes to a GPU fleet: a simulator driving minipd's scheduler, goodput, placement",
-            "SLO attainment vs rate, goodput per GPU by placement, the article's claimed gains tested"),
+            "the simulator against real runs (a live replay, this machine, an H200), SLO attainment vs rate, goodput "
+            "per GPU by placement with DistServe's result checked, the best P:D ratio by workload, how much link "
+            "hides the K/V transfer, where the split loses, the article's claimed gains tested, a cluster explorer "
+            "widget"),
     Chapter("06_kv_compression",
             "quantized KV (int8, fp8, int4 per token and KIVI) and token eviction (presses); measuring quality "
             "honestly; precision that adapts to load",

@@ -63,6 +63,8 @@ SLIDERS: dict[str, Slider] = {
     "04_batching": Slider("scheduler_explorer(", "max_num_batched_tokens", "ArrowLeft"),
     # layer-wise K/V transfer: the prompt starts at 4096 tokens
     "05_pd_disaggregation": Slider("layerwise_explorer(", "prompt tokens", "ArrowRight"),
+    # cluster explorer: 60 requests/s to start with; one more simulates both placements again
+    "05b_cluster_simulation": Slider("cluster_explorer(", "requests/s", "ArrowRight"),
     # quality explorer: a press at a budget of 64 tokens; each move measures again and adds a bar
     "06_kv_compression": Slider("quality_explorer(", "budget", "ArrowRight"),
     # recorded routing: top-2 to start with

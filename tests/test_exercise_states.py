@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from minipd.exercises import ch01, ch02, ch03, ch03b, ch04, ch05, ch06, ch07, ch08
+from minipd.exercises import ch01, ch02, ch03, ch03b, ch04, ch05, ch05b, ch06, ch07, ch08
 from minipd.exercises.checking import TODO_MESSAGE
 
-CHAPTERS: list[ModuleType] = [ch01, ch02, ch03, ch03b, ch04, ch05, ch06, ch07, ch08]
+CHAPTERS: list[ModuleType] = [ch01, ch02, ch03, ch03b, ch04, ch05, ch05b, ch06, ch07, ch08]
 EXERCISES = [(module, name.removeprefix("check_")) for module in CHAPTERS for name in dir(module)
              if name.startswith("check_") and hasattr(module, "reference_" + name.removeprefix("check_"))]
 IDS = [f"{module.__name__.rsplit('.', 1)[1]}.{name}" for module, name in EXERCISES]

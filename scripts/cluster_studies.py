@@ -1,0 +1,129 @@
+"""The simulator studies behind chapter 05b's heavier figures, stored as JSON (the notebook reruns a small piece of
+each live and checks it against the file).
+
+1. ``literature``: DistServe's setting, OPT-13B on A100s with its chatbot SLOs (TTFT 250 ms, TPOT 100 ms) and
+   ShareGPT-like lengths: goodput per GPU of every placement of 4 GPUs (tensor parallel 1 or 2), colocated with
+   chunked prefill (decode-first, 2048-token budget), colocated with whole prompts first (prefill-first, 16,384
+   tokens), and disaggregated.
+2. ``grid``: Llama-3-8B on H100s (4 GPUs, 400G links), prompt lengths × output lengths × TPOT SLO: the best
+   colocated and the best disaggregated placement and their goodput per GPU.
+3. ``claims``: Llama-3-70B on 8 H100s, two tensor-parallel-4 instances colocated against one prefill and one
+   decode instance, at several rates: P50/mean TTFT and TPOT, busy share of each instance (while requests
+   arrive, and over the whole run).
+
+    python scripts/cluster_studies.py --out assets/sim/cluster_studies.json     # ~6 minutes on 2 cores
+    python scripts/cluster_studies.py --out assets/sim/cluster_studies.json --parts claims   # redo one part
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minipd.serve.loadgen import Slo
+from minipd.sim.cluster import simulate
+from minipd.sim.costs import A100_80GB, H100_SXM, preset
+from minipd.sim.roofline import IB_400G, NVLINK3
+from minipd.sim.search import GpuCluster, WorkloadShape, placements, search_placements
+from minipd.viz.sim import busy_share
+
+REL_TOL = 0.05
+
+LITERATURE = dict(model="opt-13b", device="A100 80GB SXM", link=NVLINK3.name, devices=4, tps=[1, 2],
+                  prompts="64:1024", outputs="32:512", ttft_slo_ms=250.0, tpot_slo_ms=100.0, num_requests=150,
+                  duration_s=20.0)
+GRID = dict(model="llama-3-8b", device="H100 SXM", link=IB_400G.name, devices=4, tps=[1],
+            prompts=["128:512", "1024:2048", "3072:4096"], outputs=["16:64", "128:256", "512:1024"],
+            ttft_slo_ms=450.0, tpot_slo_ms=[15.0, 40.0], num_requests=100, duration_s=10.0)
+CLAIMS = dict(model="llama-3-70b", device="H100 SXM", link=IB_400G.name, tp=4, prompts="512:2048",
+              outputs="64:512", num_requests=200, duration_s=30.0, rates=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+
+
+PARTS = ("literature", "grid", "claims")
+
+
+def row(result) -> dict:
+    return {"name": result.name, "kind": "disaggregated" if result.spec.disaggregated else "colocated",
+            "goodput": result.goodput, "per_device": result.per_device, "verified": result.verified,
+            "tried": result.tried}
+
+
+def literature() -> dict:
+    p = LITERATURE
+    shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=p["duration_s"])
+    slo = Slo(p["ttft_slo_ms"], p["tpot_slo_ms"])
+    chunked = GpuCluster(preset(p["model"]), A100_80GB, NVLINK3)
+    whole = GpuCluster(preset(p["model"]), A100_80GB, NVLINK3, colocated_policy="prefill-first",
+                       colocated_batched_tokens=16384)
+    out = {}
+    for label, cluster, both in (("chunked", chunked, True), ("prefill_first", whole, False)):
+        specs = placements(cluster, p["devices"], tps=p["tps"], disaggregated=both)
+        out[label] = [row(r) for r in search_placements(specs, shape, slo, rel_tol=REL_TOL, verify=2)]
+    return out
+
+
+def grid_cell(prompts: str, outputs: str, tpot_slo_ms: float) -> dict:
+    p = GRID
+    shape = WorkloadShape(prompts, outputs, p["num_requests"], duration_s=p["duration_s"])
+    cluster = GpuCluster(preset(p["model"]), H100_SXM, IB_400G)
+    ranked = search_placements(placements(cluster, p["devices"], tps=p["tps"]), shape,
+                               Slo(p["ttft_slo_ms"], tpot_slo_ms), rel_tol=REL_TOL)
+    return {"prompts": prompts, "outputs": outputs, "tpot_slo_ms": tpot_slo_ms, "placements": [row(r) for r in ranked]}
+
+
+def claims_point(rate: float) -> dict:
+    p = CLAIMS
+    cluster = GpuCluster(preset(p["model"]), H100_SXM, IB_400G)
+    shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=p["duration_s"])
+    out = {"rate": rate}
+    for label, spec in (("colocated", cluster.colocated(2, p["tp"])),
+                        ("disaggregated", cluster.disaggregated(1, p["tp"], 1, p["tp"]))):
+        result = simulate(spec, shape.at(rate), keep_timeline=True)
+        s = result.summary()
+        out[label] = {"placement": spec.describe(), "requests": len(result.requests),
+                      **{k: s[k] for k in ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
+                                           "mean_tpot_ms", "p90_tpot_ms")},
+                      # while requests arrive (steady state), and over the whole run with its drain
+                      "busy": busy_share(result), "busy_whole_run": result.utilisation(), "devices": spec.devices}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the parts to (re)compute; the others are kept from --out when it exists")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    out = Path(args.out)
+    report = json.loads(out.read_text()) if out.exists() and set(args.parts) != set(PARTS) else {}
+    report.update({"date": time.strftime("%Y-%m-%d"), "script": "scripts/cluster_studies.py", "rel_tol": REL_TOL})
+    cells = [(pr, o, t) for t in GRID["tpot_slo_ms"] for pr in GRID["prompts"] for o in GRID["outputs"]]
+    with ProcessPoolExecutor(args.workers) as pool:
+        lit = pool.submit(literature) if "literature" in args.parts else None
+        claims = [pool.submit(claims_point, r) for r in CLAIMS["rates"]] if "claims" in args.parts else []
+        grid = [pool.submit(grid_cell, *cell) for cell in cells] if "grid" in args.parts else []
+        if lit is not None:
+            report["literature"] = {**LITERATURE, **lit.result()}
+        if claims:
+            report["claims"] = {**CLAIMS, "points": [c.result() for c in claims]}
+        if grid:
+            report["grid"] = {**GRID, "cells": []}
+        for future in grid:
+            report["grid"]["cells"].append(future.result())
+            print(f"grid {len(report['grid']['cells'])}/{len(cells)} ({time.perf_counter() - start:.0f} s)",
+                  flush=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
