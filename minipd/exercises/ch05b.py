@@ -281,13 +281,13 @@ def check_goodput_search(fn: Callable[..., float], simulate: bool = True) -> Che
             return report(verdict)
     if not simulate:
         return report(CheckResult("PASS", name))
+    from minipd.serve.loadgen import attainment_share
     from minipd.sim.search import find_goodput
 
     run_at, slo, label = _simulated()
 
     def attainment_at(rate: float) -> float:
-        results = run_at(rate)
-        return sum(slo.met(r) for r in results) / len(results)
+        return attainment_share(run_at(rate), slo)
 
     calls = []
     got, failure = call_reader(name, fn, Case(label, (_counted(attainment_at, calls), 2.0)))

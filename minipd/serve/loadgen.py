@@ -201,12 +201,16 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict[
     return summary
 
 
+def attainment_share(results: Sequence[RequestResult], slo: Slo) -> float:
+    """Share of ``results`` that met every objective of ``slo`` (a failed request counts as missed)."""
+    return sum(slo.met(r) for r in results) / max(len(results), 1)
+
+
 def meets(run_at: Callable[[float], Sequence[RequestResult]], rate: float, slo: Slo, attainment: float,
           tried: list[tuple[float, float]]) -> bool:
     """Run at ``rate``; note (rate, share of requests meeting ``slo``) in ``tried``; whether the share reaches
-    ``attainment`` (a failed request counts as missed)."""
-    results = run_at(rate)
-    share = sum(slo.met(r) for r in results) / max(len(results), 1)
+    ``attainment``."""
+    share = attainment_share(run_at(rate), slo)
     tried.append((rate, share))
     return share >= attainment
 
@@ -300,4 +304,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["RequestResult", "Slo", "format_summary", "meets", "run_load", "search_goodput", "summarize"]
+__all__ = ["RequestResult", "Slo", "attainment_share", "format_summary", "meets", "run_load", "search_goodput",
+           "summarize"]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from minipd.engine.request import EngineCoreOutputs, Request
 from minipd.errors import ParameterError
 from minipd.sampling_params import SamplingParams
-from minipd.serve.loadgen import RequestResult, Slo, summarize
+from minipd.serve.loadgen import RequestResult, Slo, attainment_share, summarize
 from minipd.serve.workload import PlannedRequest
 from minipd.sim.instance import SIM_TOKEN, InstanceConfig, InstanceStats, SimInstance, StepTimeModel
 
@@ -178,8 +178,7 @@ class SimResult:
 
     def attainment(self, slo: Slo) -> float:
         """Share of requests (dropped ones count as missed) that met every objective of ``slo``."""
-        results = self.results()
-        return sum(slo.met(r) for r in results) / max(len(results), 1)
+        return attainment_share(self.results(), slo)
 
     def utilisation(self) -> dict[str, float]:
         """Each instance's busy share of the run."""
@@ -228,11 +227,16 @@ class _Cluster:
             params = self._params[max_tokens] = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         return params
 
-    def _request(self, sim: SimRequest, instance: SimInstance, prefill_only: bool) -> Request:
-        return Request(request_id=str(sim.index), all_token_ids=[1] * sim.prompt_len, num_prompt_tokens=sim.prompt_len,
-                       params=self._sampling(1 if prefill_only else sim.output_len), seed=0,
+    def _request(self, sim: SimRequest, instance: SimInstance, phase: str) -> Request:
+        """``sim`` as ``instance`` takes it: whole (colocated), its prefill alone (first token, K/V kept for the
+        transfer), or its decode (prompt and first token, the prompt's K/V to come from the prefill instance)."""
+        decode = phase == "decode"
+        return Request(request_id=str(sim.index), all_token_ids=[1] * sim.prompt_len + ([SIM_TOKEN] if decode else []),
+                       num_prompt_tokens=sim.prompt_len,
+                       params=self._sampling(1 if phase == "prefill" else sim.output_len), seed=0,
                        eos_token_ids=frozenset(), max_model_len=instance.config.max_model_len,
-                       arrival_time=self.env.now, hold_kv=prefill_only and sim.output_len > 1)
+                       arrival_time=sim.arrival, hold_kv=phase == "prefill" and sim.output_len > 1,
+                       num_external_tokens=sim.prompt_len if decode else 0)
 
     def _arrivals(self) -> Any:
         env = self.env
@@ -243,23 +247,25 @@ class _Cluster:
             if self.spec.disaggregated:
                 instance = min(self.instances["prefill"], key=lambda i: i.queued_tokens)
                 sim.prefill_instance = instance.name
-                self._admit(sim, instance, self._request(sim, instance, prefill_only=True))
+                self._admit(sim, instance, self._request(sim, instance, "prefill"))
             else:
                 instance = min(self.instances["colocated"], key=lambda i: i.num_requests)
                 sim.prefill_instance = sim.decode_instance = instance.name
-                self._admit(sim, instance, self._request(sim, instance, prefill_only=False))
+                self._admit(sim, instance, self._request(sim, instance, "whole"))
 
-    def _admit(self, sim: SimRequest, instance: SimInstance, request: Request) -> None:
+    def _admit(self, sim: SimRequest, instance: SimInstance, request: Request) -> bool:
+        """Queue ``request`` on ``instance``; False (and the request counted dropped, with why) if it cannot fit."""
         if sim.prompt_len >= instance.config.max_model_len:  # (the engine's front end refuses it too)
             sim.dropped = (f"{instance.name}: a prompt of {sim.prompt_len} tokens leaves no room in the model's "
                            f"context of {instance.config.max_model_len}")
-            self._done(sim)
-            return
-        try:
-            instance.add(request)
-        except ParameterError as err:
-            sim.dropped = f"{instance.name}: {err}"
-            self._done(sim)
+        else:
+            try:
+                instance.add(request)
+                return True
+            except ParameterError as err:
+                sim.dropped = f"{instance.name}: {err}"
+        self._done(sim)
+        return False
 
     def _done(self, sim: SimRequest) -> None:
         self.live.pop(str(sim.index), None)
@@ -291,16 +297,8 @@ class _Cluster:
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
         decode = min(self.instances["decode"], key=lambda i: i.num_requests)
         sim.decode_instance = decode.name
-        request = Request(request_id=str(sim.index), all_token_ids=[1] * sim.prompt_len + [SIM_TOKEN],
-                          num_prompt_tokens=sim.prompt_len, params=self._sampling(sim.output_len), seed=0,
-                          eos_token_ids=frozenset(), max_model_len=decode.config.max_model_len,
-                          arrival_time=sim.arrival, num_external_tokens=sim.prompt_len)
-        try:
-            decode.add(request)
-        except ParameterError as err:
-            sim.dropped = f"{decode.name}: {err}"
+        if not self._admit(sim, decode, self._request(sim, decode, "decode")):
             source.release_kv(str(sim.index))
-            self._done(sim)
 
     def _on_waiting_for_kv(self, decode: SimInstance, request: Request) -> None:
         self.env.process(self._transfer(decode, request.request_id))
