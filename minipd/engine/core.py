@@ -105,20 +105,19 @@ class EngineCore(StepCore):
         else:
             self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                              config.scheduling_policy)  # type: ignore[arg-type]
-        if self.compressed_spec is not None:
-            scheduler.make_room = self._compress_one
+                              config.scheduling_policy,  # type: ignore[arg-type]
+                              make_room=self._compress_one if self.compressed_spec is not None else None)
+        #: Keeps each request's K/V within ``kv_budget`` (``kv_eviction``), or None.
+        self.evictor = None if config.kv_eviction is None else Evictor(make_press(config.kv_eviction), config,
+                                                                       self.kv_spec, self.pool, self.block_manager)
         self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
-                                  config.max_num_seqs, max_model_len)
+                                  config.max_num_seqs, max_model_len,
+                                  attention_observer=None if self.evictor is None else self.evictor.attention_observer)
         super().__init__(scheduler, self.runner, max_model_len, clock=clock, stats_history=config.stats_history)
         if config.compile_decode:
             self.runner.compiled = self._compile_decode(max_model_len)
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
-        #: Keeps each request's K/V within ``kv_budget`` (``kv_eviction``), or None.
-        self.evictor = None if config.kv_eviction is None else Evictor(make_press(config.kv_eviction), config,
-                                                                       self.kv_spec, self.pool, self.block_manager,
-                                                                       self.runner)
         #: A step whose eviction failed (done again before the next step), and the error kept for the caller.
         self._pending_eviction: ScheduledBatch | None = None
 

@@ -8,7 +8,7 @@ decides what is least useful: by position (sink + window), key norm, received at
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,8 +23,7 @@ from minipd.kv.spec import KVSpec
 class Evictor:
     """Applies ``press`` to a core's pool and block manager after each step."""
 
-    def __init__(self, press: Any, config: EngineConfig, kv_spec: KVSpec, pool: Any, block_manager: Any,
-                 runner: Any) -> None:
+    def __init__(self, press: Any, config: EngineConfig, kv_spec: KVSpec, pool: Any, block_manager: Any) -> None:
         if kv_spec.latent and (press.needs_keys or press.needs_attention):
             # Known now, not at the first eviction: MLA's pool has no per-head keys to score or watch.
             raise ValueError(f"kv_eviction={type(press).__name__} scores per-head keys or the attention they "
@@ -36,10 +35,15 @@ class Evictor:
         self.tracker: AttentionTracker | None = None
         if press.needs_attention:
             self.tracker = AttentionTracker(config.block_size, getattr(press, "window", None))
-            runner.attention_observer = self.tracker.observe
         #: Blocks given back by the press so far, and with token-level eviction the tokens dropped.
         self.num_evicted_blocks = 0
         self.num_evicted_tokens = 0
+
+    @property
+    def attention_observer(self) -> Callable[..., None] | None:
+        """What the model runner calls before each layer attends (``attention_observer``), or None when the
+        press does not score by received attention."""
+        return None if self.tracker is None else self.tracker.observe
 
     def evict(self, batch: ScheduledBatch, live: Iterable[str]) -> None:
         """Drop the lowest-scored full blocks of every request in the step that holds more than its budget

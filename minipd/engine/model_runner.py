@@ -89,7 +89,8 @@ class ModelRunner:
     """Runs one step of the model over the paged pool for a :class:`ScheduledBatch`."""
 
     def __init__(self, model: DecoderModel, pool: PagedKVPool, kernels: KernelBackend, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+                 max_num_seqs: int, max_model_len: int, *,
+                 attention_observer: Callable[..., None] | None = None) -> None:
         self.model = model
         self.pool = pool
         self.kernels = kernels
@@ -99,8 +100,8 @@ class ModelRunner:
         #: Called as ``layer_hook(batch, layer)`` once each layer's K/V of a step are stored (layer-wise KV transfer).
         self.layer_hook: Callable[[ScheduledBatch, int], None] | None = None
         #: Called as ``attention_observer(batch, layer, q, k_cache, scale)`` before each layer attends
-        #: (token eviction by received attention).
-        self.attention_observer: Callable[..., None] | None = None
+        #: (token eviction by received attention). A hook given by whoever builds the runner.
+        self.attention_observer = attention_observer
         #: A KIVI cache's filling blocks, kept in full precision (None for every other format).
         self.residual = ResidualWindow(pool) if pool.spec.has_residual_window else None
         #: The compiled static-shape decode step (``compile_decode=True``), used for the steps it covers.

@@ -86,7 +86,8 @@ class Scheduler:
     """First-come-first-served scheduling with a token budget, a cap on running requests, and preemption."""
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 policy: SchedulingPolicy | str = "decode-first") -> None:
+                 policy: SchedulingPolicy | str = "decode-first", *,
+                 make_room: Callable[[], bool] | None = None) -> None:
         if isinstance(policy, str):
             if policy not in POLICIES:
                 raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -103,8 +104,8 @@ class Scheduler:
         self.holding_kv: dict[str, Request] = {}
         self.num_preemptions = 0
         #: Tried before preempting when a running request needs a block: True if it freed some (adaptive KV
-        #: precision compresses a full-precision request in place).
-        self.make_room: Callable[[], bool] | None = None
+        #: precision compresses a full-precision request in place). A hook given by whoever builds the scheduler.
+        self.make_room = make_room
         # Hashes of blocks that this step's work completes: a newcomer whose prefix continues into
         # one of them waits a step and then reuses it, instead of computing the same tokens twice.
         self._completing: set[bytes] = set()
