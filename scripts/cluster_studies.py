@@ -31,7 +31,6 @@ from minipd.sim.cluster import simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, preset
 from minipd.sim.roofline import IB_400G, NVLINK3
 from minipd.sim.search import GpuCluster, WorkloadShape, placements, search_placements
-from minipd.viz.sim import busy_share
 
 REL_TOL = 0.05
 
@@ -90,7 +89,8 @@ def claims_point(rate: float) -> dict:
                       **{k: s[k] for k in ("median_ttft_ms", "mean_ttft_ms", "p90_ttft_ms", "median_tpot_ms",
                                            "mean_tpot_ms", "p90_tpot_ms")},
                       # while requests arrive (steady state), and over the whole run with its drain
-                      "busy": busy_share(result), "busy_whole_run": result.utilisation(), "devices": spec.devices}
+                      "busy": result.utilisation(while_arriving=True), "busy_whole_run": result.utilisation(),
+                      "devices": spec.devices}
     return out
 
 

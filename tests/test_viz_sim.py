@@ -190,19 +190,19 @@ class TenthOfASecond:
         return 0.1
 
 
-def test_busy_share_counts_the_steps_while_requests_arrive_not_the_drain():
+def test_utilisation_while_arriving_counts_the_steps_while_requests_arrive_not_the_drain():
     from minipd.serve.workload import PlannedRequest
     from minipd.sim.cluster import ClusterSpec, simulate
     from minipd.sim.instance import InstanceConfig
-    from minipd.viz.sim import busy_share
 
     workload = [PlannedRequest(0.0, 10, 2), PlannedRequest(1.0, 10, 2)]  # two steps each, 0.1 s a step
     spec = ClusterSpec.colocated(TenthOfASecond(), InstanceConfig(num_kv_blocks=8))
     result = simulate(spec, workload, keep_timeline=True)
     assert result.utilisation()["colocated0"] == pytest.approx(0.4 / 1.2)
-    assert busy_share(result)["colocated0"] == pytest.approx(0.2)  # [0, 1 s]: the first request's two steps
+    # [0, 1 s]: the first request's two steps
+    assert result.utilisation(while_arriving=True)["colocated0"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="keep_timeline"):
-        busy_share(simulate(spec, workload))
+        simulate(spec, workload).utilisation(while_arriving=True)
 
 
 def test_placements_of_one_kind_share_a_colour_and_differ_by_line_style():

@@ -180,10 +180,24 @@ class SimResult:
         """Share of requests (dropped ones count as missed) that met every objective of ``slo``."""
         return attainment_share(self.results(), slo)
 
-    def utilisation(self) -> dict[str, float]:
-        """Each instance's busy share of the run."""
-        return {name: stats.busy_time / self.duration if self.duration else 0.0
-                for name, stats in self.instances.items()}
+    def utilisation(self, while_arriving: bool = False) -> dict[str, float]:
+        """Each instance's busy share: of the whole run, or with ``while_arriving`` of the window from the first
+        arrival to the last (the steady state). The whole run ends with a drain that has only decodes left,
+        which flatters colocated instances and idles prefill ones. ``while_arriving`` needs a run simulated with
+        ``keep_timeline=True``."""
+        start = min((r.arrival for r in self.requests), default=0.0)
+        end = max((r.arrival for r in self.requests), default=0.0)
+        if not while_arriving or end <= start:
+            return {name: stats.busy_time / self.duration if self.duration else 0.0
+                    for name, stats in self.instances.items()}
+        shares = {}
+        for name, stats in self.instances.items():
+            if stats.steps and not stats.timeline:
+                raise ValueError("utilisation(while_arriving=True) needs the steps' timeline: "
+                                 "simulate(..., keep_timeline=True)")
+            busy = sum(max(0.0, min(s + d, end) - max(s, start)) for s, d, _, _ in stats.timeline)
+            shares[name] = busy / (end - start)
+        return shares
 
     @property
     def num_dropped(self) -> int:

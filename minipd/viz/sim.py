@@ -347,24 +347,6 @@ def plot_claims(points: Sequence[Mapping[str, Any]], axes: Any = None, title: st
     return axes
 
 
-def busy_share(result: Any) -> dict[str, float]:
-    """Each instance's busy share while requests were arriving (from the first arrival to the last): the share of
-    time its GPUs ran a step in steady state. :meth:`SimResult.utilisation` divides by the whole run instead, whose
-    end is a drain with only decodes left, which flatters colocated instances and idles prefill ones. Needs a
-    result simulated with ``keep_timeline=True``."""
-    start = min(r.arrival for r in result.requests)
-    end = max(r.arrival for r in result.requests)
-    if end <= start:
-        return result.utilisation()
-    shares = {}
-    for name, stats in result.instances.items():
-        if stats.steps and not stats.timeline:
-            raise ValueError("busy_share needs the steps' timeline: simulate(..., keep_timeline=True)")
-        busy = sum(max(0.0, min(s + d, end) - max(s, start)) for s, d, _, _ in stats.timeline)
-        shares[name] = busy / (end - start)
-    return shares
-
-
 # --- the explorer ---------------------------------------------------------------------------------
 
 
@@ -390,7 +372,8 @@ def simulate_placements(placements: Sequence[str], rate: float, prompt_len: int,
 def plot_placements(results: Mapping[str, Any], slo: Slo, axes: Any = None, title: str = "") -> Any:
     """Simulated placements side by side (``results``: name → :class:`~minipd.sim.cluster.SimResult`, simulated with
     ``keep_timeline=True``): the share of requests within each TTFT and each TPOT (cumulative, the SLOs dashed),
-    and each placement's SLO attainment and the busy share of its GPUs while requests arrived (:func:`busy_share`)."""
+    and each placement's SLO attainment and the busy share of its GPUs while requests arrived
+    (:meth:`~minipd.sim.cluster.SimResult.utilisation`)."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -419,7 +402,7 @@ def plot_placements(results: Mapping[str, Any], slo: Slo, axes: Any = None, titl
     ax = axes[2]
     width = 0.38
     met = [100 * results[n].attainment(slo) for n in names]
-    busy = [100 * float(np.mean(list(busy_share(results[n]).values()))) for n in names]
+    busy = [100 * float(np.mean(list(results[n].utilisation(while_arriving=True).values()))) for n in names]
     x = np.arange(len(names))
     a = ax.bar(x - width / 2, met, width, color=[KIND_COLORS[kinds[n]] for n in names], label="met SLOs")
     b = ax.bar(x + width / 2, busy, width, color="0.75", label="GPUs busy")
@@ -510,6 +493,6 @@ def cluster_explorer(links: Mapping[str, Link] | None = None, devices: int = 4,
     return explorer_box(rows, "cluster explorer", "see the static figure above")
 
 
-__all__ = ["ARTICLE", "KIND_COLORS", "busy_share", "cluster_explorer", "draw_placements", "plot_attainment",
+__all__ = ["ARTICLE", "KIND_COLORS", "cluster_explorer", "draw_placements", "plot_attainment",
            "plot_best_placement", "plot_claims", "plot_goodput_bars", "plot_placements", "plot_real_vs_sim",
            "plot_replay", "plot_simulator", "plot_step_times", "plot_transfer_share", "simulate_placements"]
