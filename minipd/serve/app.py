@@ -164,6 +164,7 @@ class Api:
         if len(ids) + parsed.params.max_tokens > self.max_model_len:  # (the engine would cap it; OpenAI refuses)
             raise ApiError(f"this model's context is {self.max_model_len} tokens; the prompt has {len(ids)} and "
                            f"max_tokens asks for {parsed.params.max_tokens} more", param=parsed.max_tokens_field)
+        self._check_fits_pool(len(ids), parsed, where)
         stream = self.engine.generate(ids, parsed.params, request_id=request_id, arrival_time=arrival).__aiter__()
         try:
             first = await stream.__anext__()
@@ -174,6 +175,16 @@ class Api:
                 param = where
             raise ApiError(str(err), param=param or None) from None
         return stream, first
+
+    def _check_fits_pool(self, num_tokens: int, parsed: ParsedRequest, where: str) -> None:
+        """Refuse a request that could never fit the KV pool, naming what to lower: the prompt when it alone
+        is too big, else the field that set ``max_tokens``."""
+        check = self.engine.llm.engine.core.check_fits
+        for size, param in ((1, where), (parsed.params.max_tokens, parsed.max_tokens_field)):
+            try:
+                check(num_tokens, size, what=param)
+            except ValueError as err:
+                raise ApiError(str(err), param=param) from None
 
     def _finished(self, delta: StreamDelta) -> tuple[int, int]:
         """Record a finished request's latencies; its (prompt, completion) token counts."""
@@ -288,9 +299,12 @@ class Api:
         for name in body:
             if name not in ("model", "prompt", "messages", "add_generation_prompt"):
                 raise ApiError(f"{name!r} is not a field /tokenize takes", param=name)
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(add_generation_prompt, bool):
+            raise ApiError("add_generation_prompt must be true or false", param="add_generation_prompt")
         if "messages" in body:
             parsed = parse_chat({"messages": body["messages"]}, self.model_name)
-            text = self.tokenizer.apply_chat_template(parsed.messages, body.get("add_generation_prompt", True))
+            text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt)
         else:
             text = body.get("prompt")
             if not isinstance(text, str):

@@ -108,6 +108,11 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if not stream:
         raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
     for name in options:
+        if name == "continuous_usage_stats" and options[name] not in (None, False):
+            # vLLM's extension (usage in every chunk): not implemented here, so not accepted as if it were.
+            raise ApiError("continuous_usage_stats is not supported by minipd's server (only false); ask for "
+                           "include_usage to get one usage chunk at the end",
+                           param="stream_options.continuous_usage_stats")
         if name not in ("include_usage", "continuous_usage_stats"):
             raise ApiError(f"{name!r} is not a stream option minipd takes", param=f"stream_options.{name}")
     usage = options.get("include_usage", False)
