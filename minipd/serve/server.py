@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--prefill-workers", type=int, default=0,
                         help="serve through DisaggregatedLLM with this many prefill workers (default 0: colocated)")
-    parser.add_argument("--decode-workers", type=int, default=1, help="decode workers when disaggregated")
+    parser.add_argument("--decode-workers", type=int, default=None,
+                        help="decode workers when disaggregated (default 1; needs --prefill-workers)")
     parser.add_argument("--kv-transfer", default=None, help="disaggregated: pull, push or layerwise")
     parser.add_argument("--kv-transport", default=None, help="disaggregated: nixl or torch")
     parser.add_argument("--kv-transfer-dtype", default=None, help="disaggregated: int8, fp8 or int4_per_token")
@@ -65,13 +66,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             options[name] = raw
     if args.prefill_workers:
-        options.update(num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers)
+        options.update(num_prefill_workers=args.prefill_workers,
+                       num_decode_workers=1 if args.decode_workers is None else args.decode_workers)
         for name in ("kv_transfer", "kv_transport", "kv_transfer_dtype"):
             if getattr(args, name) is not None:
                 options[name] = getattr(args, name)
     else:
-        given = [f"--{n.replace('_', '-')}" for n in ("kv_transfer", "kv_transport", "kv_transfer_dtype")
-                 if getattr(args, n) is not None]
+        given = [f"--{n.replace('_', '-')}" for n in ("decode_workers", "kv_transfer", "kv_transport",
+                                                       "kv_transfer_dtype") if getattr(args, n) is not None]
         if given:
             raise ValueError(f"{', '.join(given)} apply to a disaggregated engine: add --prefill-workers N")
     return options
