@@ -57,13 +57,13 @@ class EngineCollector(Collector):
 
     def load(self, latest: list[StepStats] | None = None) -> tuple[int, int, float]:
         """(requests running, requests waiting, share of KV blocks in use) after the engine's last step (each
-        worker's, summed; ``latest`` when already read); no request runs or waits when the engine is idle."""
+        worker's, summed; ``latest`` when already read). When the engine is idle no request runs, waits or
+        holds blocks, whatever the last step recorded (requests aborted since then gave theirs back)."""
         latest = self.latest() if latest is None else latest
         if not self.llm.engine.has_unfinished_requests():
-            running = waiting = 0
-        else:
-            running = sum(s.num_running for s in latest)
-            waiting = sum(s.num_waiting + s.num_waiting_for_kv for s in latest)
+            return 0, 0, 0.0
+        running = sum(s.num_running for s in latest)
+        waiting = sum(s.num_waiting + s.num_waiting_for_kv for s in latest)
         used, total = sum(s.kv_blocks_used for s in latest), sum(s.kv_blocks_used + s.kv_blocks_free for s in latest)
         return running, waiting, used / total if total else 0.0
 
