@@ -46,6 +46,31 @@ def keep_states(processor) -> dict:
     return states
 
 
+@contextlib.contextmanager
+def states_kept(processor) -> Iterator[dict]:
+    """:func:`keep_states` for the block's duration (a shared engine's front end is left as it was)."""
+    had = "add" in vars(processor)
+    original = processor.add
+    try:
+        yield keep_states(processor)
+    finally:
+        if had:
+            processor.add = original
+        else:
+            del processor.add
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus scrape as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
 class ServerProcess:
     """``python -m minipd serve ARGS --port 0`` in its own process group; ``url`` once it listens."""
 

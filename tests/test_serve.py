@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import serving
+from serve_helpers import metric_values, serving, states_kept
 
 from minipd import LLM, SamplingParams
 
@@ -98,6 +98,116 @@ def test_chat_from_the_async_client_streamed_or_not(llm, server):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_async_completions_and_a_sync_chat_stream_with_usage_equal_offline_greedy(llm, server):
+    want = offline(llm, PROMPT, max_tokens=18)
+    messages = [{"role": "user", "content": "Reverse a string."}]
+    want_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        try:
+            whole = await client.completions.create(model="tiny-py", prompt=PROMPT, max_tokens=18, temperature=0)
+            stream = await client.completions.create(model="tiny-py", prompt=PROMPT, max_tokens=18, temperature=0,
+                                                     stream=True)
+            return whole, [c async for c in stream]
+        finally:
+            await client.close()
+
+    whole, chunks = asyncio.run(run())
+    assert whole.choices[0].text == want.text and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(want.prompt_token_ids) and whole.usage.completion_tokens == 18
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert len(chunks) == 18 and chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)  # not asked for
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    chat = list(client.chat.completions.create(model="tiny-py", messages=messages, max_tokens=12, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == want_chat.text
+    assert chat[-1].choices == [] and [c for c in chat if not c.choices] == [chat[-1]]
+    assert (chat[-1].usage.prompt_tokens, chat[-1].usage.completion_tokens, chat[-1].usage.total_tokens) == \
+        (len(want_chat.prompt_token_ids), 12, len(want_chat.prompt_token_ids) + 12)
+    assert all(c.usage is None for c in chat[:-1])
+
+
+def test_sampling_fields_take_effect_through_the_server(llm, server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+    def complete(**fields):
+        return client.completions.create(model="tiny-py", prompt=PROMPT, **fields)
+
+    greedy = offline(llm, PROMPT, max_tokens=24, ignore_eos=True)
+    sampled = complete(max_tokens=24, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert sampled.choices[0].text != greedy.text  # (so that the two below show top_k and top_p at work)
+    top_k = complete(max_tokens=24, temperature=1.0, seed=11, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top_k.choices[0].text == greedy.text
+    top_p = complete(max_tokens=24, temperature=1.0, seed=11, top_p=1e-6, extra_body={"ignore_eos": True})
+    assert top_p.choices[0].text == greedy.text
+    # stop_token_ids: the request ends at the first such token (counted, as vLLM counts it).
+    ids = greedy.token_ids
+    stop_id = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    at = ids.index(stop_id)
+    stopped = complete(max_tokens=24, temperature=0, extra_body={"stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == at + 1
+    assert stopped.choices[0].text == offline(llm, PROMPT, max_tokens=24, stop_token_ids=[stop_id]).text
+    # min_tokens keeps the stop (and the end of sequence) away until that many tokens are out.
+    held = complete(max_tokens=24, temperature=0, extra_body={"stop_token_ids": [stop_id], "min_tokens": at + 6})
+    assert held.usage.completion_tokens >= at + 6
+    assert held.choices[0].text == offline(llm, PROMPT, max_tokens=24, stop_token_ids=[stop_id],
+                                           min_tokens=at + 6).text
+
+
+def test_a_request_whose_client_hangs_up_before_its_reply_is_aborted(llm, server):
+    body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    with states_kept(llm.engine.processor) as states:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up (and closes its connection)
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        gone = time.perf_counter()
+        deadline = time.monotonic() + 5
+        while not (states and all(s.finished for s in states.values())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (state,) = states.values()
+    assert state.finished and state.finish_reason == "abort", state.finish_reason
+    assert len(state.token_ids) < 900
+    assert state.metrics.finish_time - gone < 1.0, state.metrics.finish_time - gone  # at once, not at the end
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_metrics_report_load_and_prefix_cache_with_their_values(llm, server):
+    label = (("model_name", "tiny-py"),)
+
+    def scrape() -> dict:
+        return metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)
+
+    idle = scrape()
+    assert idle[("vllm:num_requests_running", label)] == 0 and idle[("vllm:num_requests_waiting", label)] == 0
+    assert idle[("vllm:kv_cache_usage_perc", label)] == 0
+    # Mid-run: a long stream is running and holds blocks.
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as client, \
+            client.stream("POST", "/v1/completions", json=body) as running:
+        lines = running.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        busy = scrape()
+    assert busy[("vllm:num_requests_running", label)] == 1 and busy[("vllm:num_requests_waiting", label)] == 0
+    assert 0 < busy[("vllm:kv_cache_usage_perc", label)] < 1
+    # The prefix cache: a long prompt sent twice is looked up in full and found the second time.
+    prompt = llm.tokenizer.encode("def add(a, b):\n    return a + b\n\n" * 12)
+    block = llm.engine.block_manager.block_size
+    assert len(prompt) > 4 * block
+    before = scrape()
+    for _ in range(2):
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                          timeout=30).status_code == 200
+    after = scrape()
+    queries = after[("vllm:prefix_cache_queries_total", label)] - before[("vllm:prefix_cache_queries_total", label)]
+    hits = after[("vllm:prefix_cache_hits_total", label)] - before[("vllm:prefix_cache_hits_total", label)]
+    assert queries >= 2 * len(prompt) - 2, (queries, len(prompt))
+    assert 0 < hits <= queries and hits >= (len(prompt) - 1) // block * block - block, (hits, len(prompt))
+    assert after[("vllm:kv_cache_usage_perc", label)] == 0 and after[("vllm:num_requests_running", label)] == 0
+
+
 def test_server_sent_events_are_framed_as_openai_frames_them(llm, server):
     want = offline(llm, PROMPT, max_tokens=10)
     body = {"model": "tiny-py", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "stream": True,
@@ -119,6 +229,24 @@ def test_server_sent_events_are_framed_as_openai_frames_them(llm, server):
     assert chat_chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("role" not in c["choices"][0]["delta"] for c in chat_chunks[1:])
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chat_chunks[0]["id"] for c in chat_chunks)
+    # A chat stream with include_usage: the role first, one usage chunk last with the engine's real counts.
+    messages = [{"role": "user", "content": "A stack class."}]
+    want_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)[0]
+    chat = {"model": "tiny-py", "messages": messages, "max_tokens": 7, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat, timeout=30) as response:
+        chat_chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+    assert chat_chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chat_chunks[1:-1])
+    final = [c for c in chat_chunks if c["choices"] == []]
+    assert len(final) == 1 and final[0] is chat_chunks[-1]
+    prompt_len = len(want_chat.prompt_token_ids)
+    assert prompt_len == len(llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages)))
+    assert final[0]["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 7, "total_tokens": prompt_len + 7}
+    assert all(c["usage"] is None for c in chat_chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chat_chunks[:-1]) == want_chat.text
+    assert chat_chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert len(chat_chunks) == 1 + 7 + 1  # the role, a chunk per token, the usage
 
 
 BAD = [  # (path, body or raw bytes, status, param)
@@ -158,7 +286,14 @@ BAD = [  # (path, body or raw bytes, status, param)
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, 400,
+     "stream_options.continuous_usage_stats"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": "yes"}, 400,
+     "add_generation_prompt"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
     ("/v1/completions", b"{" + b" " * (5 << 20) + b"}", 413, None),
     ("/v1/nowhere", {}, 404, None),
@@ -235,6 +370,8 @@ def test_the_serve_command_refuses_bad_options_before_loading(capsys):
     assert "--kv-transfer apply to a disaggregated engine" in capsys.readouterr().err
     assert main(["serve", "--option", "not an option"]) == 2
     assert "NAME=VALUE" in capsys.readouterr().err
+    assert main(["serve", "--decode-workers", "2"]) == 2
+    assert "--decode-workers apply to a disaggregated engine" in capsys.readouterr().err
     assert main(["serve", "--max-in-flight", "0"]) == 2
     assert main(["loadgen", "--goodput", "latency:5"]) == 2
     assert "ttft:MS" in capsys.readouterr().err
@@ -249,3 +386,85 @@ def test_a_chat_without_a_token_limit_may_use_the_rest_of_the_context(llm, serve
     got = client.chat.completions.create(model="tiny-py", messages=messages, temperature=0)  # no max_tokens
     assert got.choices[0].message.content == want.text and got.usage.completion_tokens == len(want.token_ids)
     assert len(want.token_ids) > 16  # (so the test shows more than completions' legacy default of 16)
+
+
+def test_a_request_too_big_for_the_kv_pool_names_what_to_lower():
+    small = LLM("tiny-py", num_kv_blocks=8)  # 8 blocks: far fewer tokens than the model's context
+    capacity = 8 * small.engine.block_manager.block_size
+    with serving(small) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        cases = [("/v1/completions", {"prompt": [5] * (capacity + 10), "max_tokens": 1}, "prompt"),
+                 ("/v1/completions", {"prompt": [5] * 10, "max_tokens": capacity + 10}, "max_tokens"),
+                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "max_completion_tokens": capacity + 10}, "max_completion_tokens"),
+                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * (capacity + 10)}],
+                                           "max_tokens": 1}, "messages")]
+        for path, body, param in cases:
+            response = client.post(path, json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and "KV blocks" in error["message"], error
+        ok = client.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": 4})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert small.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_chunked_body_over_the_limit_without_content_length_gets_413(server):
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    response = httpx.post(f"{server.url}/v1/completions", content=body(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413 and response.json()["error"]["type"] == "RequestTooLarge"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def parsed_options(*argv: str) -> dict:
+    import argparse
+
+    from minipd.serve.server import add_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return engine_options(parser.parse_args(list(argv)))
+
+
+def test_kv_and_moe_options_pass_through_to_the_engine():
+    assert parsed_options() == {}
+    assert parsed_options("--kv-cache-dtype", "int8") == {"kv_cache_dtype": "int8"}
+    assert parsed_options("--expert-parallel-size", "2") == {"expert_parallel_size": 2}
+    assert parsed_options("--model", "tiny-py-moe", "--expert-parallel-size", "2", "--kv-cache-dtype", "int4_per_token",
+                          "--num-kv-blocks", "64") == {"expert_parallel_size": 2, "kv_cache_dtype": "int4_per_token",
+                                                      "num_kv_blocks": 64}
+    assert parsed_options("--prefill-workers", "1", "--kv-transfer-dtype", "int8", "--kv-transport", "torch") == \
+        {"num_prefill_workers": 1, "num_decode_workers": 1, "kv_transfer_dtype": "int8", "kv_transport": "torch"}
+    assert parsed_options("--prefill-workers", "2", "--decode-workers", "3", "--kv-transfer", "push") == \
+        {"num_prefill_workers": 2, "num_decode_workers": 3, "kv_transfer": "push"}
+    assert parsed_options("--option", "max_num_seqs=64", "--option", "enable_prefix_caching=false", "--option",
+                          "kv_cache_dtype=int8", "--option", "kv_lease_s=2.5") == \
+        {"max_num_seqs": 64, "enable_prefix_caching": False, "kv_cache_dtype": "int8", "kv_lease_s": 2.5}
+    with pytest.raises(ValueError, match=r"--decode-workers.*--prefill-workers"):
+        parsed_options("--decode-workers", "2")  # (was ignored: a colocated engine was served)
+    with pytest.raises(ValueError, match="--kv-transfer-dtype"):
+        parsed_options("--kv-transfer-dtype", "int8")
+
+
+def test_a_moe_model_with_an_int8_kv_cache_serves_what_the_engine_computes():
+    from minipd.serve.server import BackgroundServer, build_engine
+
+    want = LLM("tiny-py-moe", kv_cache_dtype="int8").generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    engine = build_engine("tiny-py-moe", parsed_options("--model", "tiny-py-moe", "--kv-cache-dtype", "int8"))
+    try:
+        assert engine.llm.engine.config.kv_cache_dtype == "int8"
+        with BackgroundServer(engine, "tiny-py-moe", grace=1.0) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+            got = client.completions.create(model="tiny-py-moe", prompt=PROMPT, max_tokens=16, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    finally:
+        engine.shutdown()
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 16
