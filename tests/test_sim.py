@@ -110,9 +110,10 @@ def test_a_disaggregated_request_pays_its_transfer_once_between_its_first_and_se
         assert request.prefill_instance == "prefill0" and request.decode_instance == "decode0"
 
 
-def test_a_full_decode_pool_holds_requests_back_and_their_kv_fills_the_prefill_pool():
-    """Backpressure, as in the engine: requests the decode instance cannot admit keep their K/V on the
-    prefill instance, which then stops admitting new prompts until transfers free blocks."""
+def test_a_full_decode_pool_holds_new_prompts_back_before_their_prefill():
+    """Backpressure, as the real cluster's router does it (the simulator asks the same Router): while no decode
+    instance would have room for a prompt once the prefills under way have landed, the prompt waits before its
+    prefill (its TTFT grows) instead of its K/V waiting on the prefill instance for a decode slot."""
     small = InstanceConfig(num_kv_blocks=24, block_size=16, max_num_seqs=64)
     spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-6, 0), small),
                                              InstanceSpec("decode", Linear(0.02, 0, 1e-4), small), 100.0,
@@ -120,9 +121,31 @@ def test_a_full_decode_pool_holds_requests_back_and_their_kv_fills_the_prefill_p
     workload = synthetic_workload(60, 500, 100, 50, seed=2)
     result = simulate(spec, workload)
     assert all(r.finished is not None and len(r.token_times) == 50 for r in result.requests)
-    waits = [r.transfer_start - r.token_times[0] for r in result.requests]
-    assert max(waits) > 0.5  # held on the prefill side until a decode slot freed
+    waits_for_decode = [r.transfer_start - r.token_times[0] for r in result.requests]
+    assert max(waits_for_decode) < 0.05  # a prefilled request finds its decode slot at once
+    assert max(r.ttft for r in result.requests) > 0.5  # held back before its prefill until a slot freed
     assert result.instances["prefill0"].busy_time < result.instances["decode0"].busy_time
+
+
+def test_the_simulator_routes_with_the_real_clusters_router_or_one_given():
+    """Decode goes where the most blocks are free (the real Router); a Router subclass changes it."""
+    from minipd.pd.routing import Router
+
+    config = InstanceConfig(num_kv_blocks=200, block_size=16)
+    spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-6, 0), config),
+                                             InstanceSpec("decode", Linear(0.01, 0, 1e-4), config, count=2), 100.0,
+                                             None)
+    workload = [PlannedRequest(0.001 * i, 64, 40) for i in range(6)]
+    spread = simulate(spec, workload)
+    assert [r.decode_instance for r in spread.requests] == ["decode0", "decode1"] * 3
+
+    class FirstDecode(Router):
+        def decode_worker(self, workers):
+            return workers[0]
+
+    first = simulate(spec.with_router(FirstDecode()), workload)
+    assert {r.decode_instance for r in first.requests} == {"decode0"}
+    assert all(len(r.token_times) == 40 for r in first.requests)
 
 
 def test_colocated_instances_share_the_load_and_goodput_checks_slos():

@@ -5,14 +5,18 @@ Why simpy: it is the discrete-event library DistServe's simulator uses, small an
 processes (generators that ``yield`` timeouts and events) read like the loops they model: an arrival
 process, one loop per instance (:class:`~minipd.sim.instance.SimInstance`), one process per KV transfer.
 
-**Colocated**: each request goes to the instance with the fewest requests; prefill and decode share its
-steps (the scheduling policy and chunk budget are the instance's).
+Routing is :class:`minipd.pd.routing.Router`, the policy :class:`~minipd.pd.DisaggregatedLLM`'s cluster
+core asks (or one given in :attr:`ClusterSpec.router`), asked here with the simulated instances' loads.
 
-**Disaggregated**: a request is prefilled on the prefill instance with the fewest tokens to compute, which
-emits its first token and keeps its K/V (``hold_kv``), then continues on the decode instance with the
-fewest requests. The decode instance's scheduler admits it when it can allocate the blocks (its own KV
-capacity: a full decode pool holds requests back, and the K/V they keep fill the prefill pool); then
-the K/V cross the prefill instance's link (one transfer at a time, each ``latency + bytes / bandwidth``)
+**Colocated**: each request goes to the instance with the fewest requests (the router's least-loaded
+rule); prefill and decode share its steps (the scheduling policy and chunk budget are the instance's).
+
+**Disaggregated**: a new prompt is held back (backpressure) while no decode instance would have room for it
+once the prefills already under way have landed, as the real cluster does. Then it is prefilled on the
+prefill instance with the fewest requests, which emits its first token and keeps its K/V (``hold_kv``),
+and continues on the decode instance with the most free KV blocks. The decode instance's scheduler admits
+it when it can allocate the blocks; then the K/V cross the prefill instance's link (one transfer at a time,
+each ``latency + bytes / bandwidth``)
 and the request decodes from its second token. With ``layerwise``, layers are sent while the prefill
 computes the next ones: the part of the transfer that fits in the prefill's last step is hidden, at
 least one layer's share never is (an approximation: it assumes the decode blocks were ready when the
@@ -21,6 +25,7 @@ prefill began, as push mode arranges, and ignores that they were not).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from minipd.engine.request import EngineCoreOutputs, Request
 from minipd.errors import ParameterError
+from minipd.pd.routing import Router, blocks_for
 from minipd.sampling_params import SamplingParams
 from minipd.serve.loadgen import RequestResult, Slo, attainment_share, summarize
 from minipd.serve.workload import PlannedRequest
@@ -68,6 +74,8 @@ class ClusterSpec:
     #: Fixed cost per transfer on top of the link's (control messages, registration).
     transfer_overhead_s: float = 0.0
     label: str = ""
+    #: Where requests go and when a prompt is held back; None: the real cluster's :class:`Router`.
+    router: Router | None = None
 
     def __post_init__(self) -> None:
         roles = {spec.role for spec in self.instances}
@@ -105,6 +113,10 @@ class ClusterSpec:
                               transfer_overhead_s: float = 0.0, label: str = "") -> ClusterSpec:
         """Prefill instances and decode instances joined by ``link``."""
         return cls((prefill, decode), kv_bytes_per_token, link, layerwise, num_layers, transfer_overhead_s, label)
+
+    def with_router(self, router: Router) -> ClusterSpec:
+        """The same cluster routed by ``router`` (e.g. a subclass with another decode choice)."""
+        return dataclasses.replace(self, router=router)
 
 
 @dataclass
@@ -221,6 +233,11 @@ class _Cluster:
         self.instances: dict[str, list[SimInstance]] = {"colocated": [], "prefill": [], "decode": []}
         self.links: dict[str, Any] = {}
         self.held: dict[str, SimInstance] = {}  # request id -> the prefill instance keeping its K/V
+        self.router = spec.router or Router()
+        #: Prompts held back by backpressure, oldest first; and the blocks each prefill under way will need
+        #: on its decode instance (by request id).
+        self.backlog: list[SimRequest] = []
+        self.prefilling: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}
         for s in spec.instances:
             if hasattr(s.model, "bind"):  # a model that needs the simulation's clock (a replay)
@@ -259,13 +276,37 @@ class _Cluster:
                 yield env.timeout(sim.arrival - env.now)
             self.live[str(sim.index)] = sim
             if self.spec.disaggregated:
-                instance = min(self.instances["prefill"], key=lambda i: i.queued_tokens)
-                sim.prefill_instance = instance.name
-                self._admit(sim, instance, self._request(sim, instance, "prefill"))
+                if self.backlog or not self._decode_has_room(sim):
+                    self.backlog.append(sim)
+                else:
+                    self._to_prefill(sim)
             else:
-                instance = min(self.instances["colocated"], key=lambda i: i.num_requests)
+                instance = self.router.prefill_worker(self.instances["colocated"])
                 sim.prefill_instance = sim.decode_instance = instance.name
                 self._admit(sim, instance, self._request(sim, instance, "whole"))
+
+    def _blocks_for(self, sim: SimRequest) -> int:
+        """Blocks ``sim`` needs on a decode instance (as the real router counts them)."""
+        return blocks_for(sim.prompt_len, self.instances["decode"][0].config.block_size)
+
+    def _decode_has_room(self, sim: SimRequest) -> bool:
+        """The router's backpressure: whether a decode instance will have room for ``sim`` once the prefills
+        under way have landed. A request no decode pool could ever hold is let through (and dropped there,
+        with the reason), not held for ever."""
+        needed = self._blocks_for(sim)
+        if needed > max(d.config.num_kv_blocks for d in self.instances["decode"]):
+            return True
+        return self.router.decode_has_room(self.instances["decode"], list(self.prefilling.values()), needed)
+
+    def _to_prefill(self, sim: SimRequest) -> None:
+        instance = self.router.prefill_worker(self.instances["prefill"])
+        sim.prefill_instance = instance.name
+        if self._admit(sim, instance, self._request(sim, instance, "prefill")) and sim.output_len > 1:
+            self.prefilling[str(sim.index)] = self._blocks_for(sim)
+
+    def _admit_backlog(self) -> None:
+        while self.backlog and self._decode_has_room(self.backlog[0]):
+            self._to_prefill(self.backlog.pop(0))
 
     def _admit(self, sim: SimRequest, instance: SimInstance, request: Request) -> bool:
         """Queue ``request`` on ``instance``; False (and the request counted dropped, with why) if it cannot fit."""
@@ -307,9 +348,12 @@ class _Cluster:
             elif out.finished:
                 sim.finished = now
                 self._done(sim)
+        if self.backlog and instance.role == "decode":
+            self._admit_backlog()  # a decode step may have freed blocks
 
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
-        decode = min(self.instances["decode"], key=lambda i: i.num_requests)
+        self.prefilling.pop(str(sim.index), None)
+        decode = self.router.decode_worker(self.instances["decode"])
         sim.decode_instance = decode.name
         if not self._admit(sim, decode, self._request(sim, decode, "decode")):
             source.release_kv(str(sim.index))

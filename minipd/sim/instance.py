@@ -24,6 +24,7 @@ from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepWork
 from minipd.engine.step_core import StepCore, StepResult
 from minipd.kv.block_manager import BlockManager
+from minipd.pd.routing import blocks_for
 
 #: The token every simulated row samples: requests run with ``ignore_eos`` and end by length.
 SIM_TOKEN = 0
@@ -161,7 +162,12 @@ class SimInstance:
 
     @property
     def free_blocks(self) -> int:
-        return self.core.block_manager.num_free_blocks
+        """Free KV blocks less those the requests queued here will take when admitted (as the real cluster
+        counts blocks promised to requests on their way to a worker)."""
+        bm = self.core.block_manager
+        promised = sum(blocks_for(r.num_tokens, bm.block_size) for r in self.core.scheduler.waiting
+                       if not r.blocks.block_table)
+        return bm.num_free_blocks - promised
 
     # ------------------------------------------------------------------------------ loop
     def _run(self) -> Iterator[Any]:
