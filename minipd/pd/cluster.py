@@ -27,8 +27,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request
@@ -37,58 +36,12 @@ from minipd.engine.step_core import check_fits_pool, record_step
 from minipd.errors import ParameterError
 from minipd.outputs import KVTimeline
 from minipd.pd import messages as m
+from minipd.pd.flight import Flight, LiveRequests
 from minipd.pd.processes import Worker, WorkerError, WorkerGroup
-from minipd.pd.routing import Phase, Router, blocks_for, check_transition
+from minipd.pd.routing import Phase, Router, blocks_for
 
 KV_TRANSFERS = ("pull", "push", "layerwise")
 logger = logging.getLogger("minipd")
-
-
-@dataclass
-class _Flight:
-    """A request in flight: where it is and what it needs to be resumed elsewhere."""
-
-    request: Request
-    #: Tokens produced so far (what a recomputation elsewhere starts from, after the prompt).
-    tokens: list[int] = field(default_factory=list)
-    phase: Phase = Phase.QUEUED
-    worker: str = ""
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    #: Push modes: the decode worker whose reserved blocks receive the prompt's K/V, and whether they have.
-    dest: str = ""
-    kv_done: bool = False
-    mode: str = "pull"  # the kv_transfer in force when the request arrived
-    held_back: bool = False  # it has waited in the backlog for decode room at least once
-    #: Push modes: the final output, kept until the prefill worker's word on the transfer arrives (it
-    #: comes on another socket than the decode worker's outputs), so the metrics are complete.
-    parked: tuple[EngineCoreOutput, float] | None = None  # the output, when parked
-    #: RequestMetrics fields the cluster knows (workers, KV transfer), sent with the next output when changed.
-    route: dict[str, Any] = field(default_factory=dict)
-    route_changed: bool = False
-
-    def move(self, phase: Phase) -> None:
-        self.phase = check_transition(self.phase, phase)
-
-    def note(self, **fields: Any) -> None:
-        self.route.update(fields)
-        self.route_changed = True
-
-
-class _Requests(Mapping[str, Request]):
-    """The live requests of a cluster, by id (a view of its flights)."""
-
-    def __init__(self, flights: dict[str, _Flight]) -> None:
-        self._flights = flights
-
-    def __getitem__(self, request_id: str) -> Request:
-        return self._flights[request_id].request
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._flights)
-
-    def __len__(self) -> int:
-        return len(self._flights)
 
 
 class ClusterCore:
@@ -112,9 +65,9 @@ class ClusterCore:
         self.lease_s = kv_lease_s
         self.router = router or Router()
         self.step_timeout = step_timeout
-        self._flights: dict[str, _Flight] = {}
-        self.requests: Mapping[str, Request] = _Requests(self._flights)
-        self._backlog: list[_Flight] = []
+        self._flights: dict[str, Flight] = {}
+        self.requests: Mapping[str, Request] = LiveRequests(self._flights)
+        self._backlog: list[Flight] = []
         self._outputs: list[EngineCoreOutput] = []
         #: Every worker step's record (``StepStats.worker`` names the worker), most recent last.
         self.step_stats: deque[StepStats] = deque(maxlen=10_000)
@@ -156,7 +109,7 @@ class ClusterCore:
         # Routing asks which workers are alive; launched ones are judged by heartbeats that may have
         # waited unread while nobody stepped.
         self._pump(0.0)
-        flight = _Flight(request, mode=self._kv_transfer)
+        flight = Flight(request, mode=self._kv_transfer)
         self._flights[request.request_id] = flight
         if self._backlog or not self._decode_has_room(flight):
             # Backpressure: the prompt waits here (its TTFT grows) rather than piling up in a decode queue.
@@ -205,7 +158,7 @@ class ClusterCore:
         return bool(self._flights) or bool(self._outputs)
 
     # ----------------------------------------------------------------------------------- routing
-    def _decode_has_room(self, flight: _Flight) -> bool:
+    def _decode_has_room(self, flight: Flight) -> bool:
         """Whether some decode worker can take ``flight`` once prefilled, counting the prefills on their way."""
         # Prefills whose blocks are not reserved yet (push modes reserve, and free_blocks already counts
         # them) will each go where the router sends them.
@@ -213,10 +166,10 @@ class ClusterCore:
                         and not f.dest]
         return self.router.decode_has_room(self.workers.role("decode"), on_their_way, self._blocks_for(flight))
 
-    def _blocks_for(self, flight: _Flight) -> int:
+    def _blocks_for(self, flight: Flight) -> int:
         return blocks_for(len(flight.request.all_token_ids), self.block_size)
 
-    def _hold_back(self, flight: _Flight, first: bool = False) -> None:
+    def _hold_back(self, flight: Flight, first: bool = False) -> None:
         """Put ``flight`` in the backlog (at its head when it was already admitted once)."""
         flight.move(Phase.QUEUED)
         flight.worker = ""
@@ -229,7 +182,7 @@ class ClusterCore:
         while self._backlog and self._decode_has_room(self._backlog[0]):
             self._to_prefill(self._backlog.pop(0))
 
-    def _to_prefill(self, flight: _Flight) -> None:
+    def _to_prefill(self, flight: Flight) -> None:
         workers = self.workers.role("prefill")
         if not workers:
             return self._to_decode(flight, recompute=True)
@@ -245,7 +198,7 @@ class ClusterCore:
             return None
         return self._prefill_on(flight, self.router.prefill_worker(workers))
 
-    def _prefill_on(self, flight: _Flight, worker: Worker, dest_blocks: list[int] | None = None) -> None:
+    def _prefill_on(self, flight: Flight, worker: Worker, dest_blocks: list[int] | None = None) -> None:
         # The prefill worker samples only the first token, then keeps the prompt's K/V for the reader.
         request = flight.request
         first_only = dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=1),
@@ -257,7 +210,7 @@ class ClusterCore:
         else:
             self.workers.send(worker, m.AddPush(first_only, flight.dest, list(dest_blocks), flight.mode == "layerwise"))
 
-    def _on_reserved(self, flight: _Flight, blocks: list[int] | None) -> None:
+    def _on_reserved(self, flight: Flight, blocks: list[int] | None) -> None:
         dest = self.workers.workers[flight.dest]
         dest.requests.discard(flight.request.request_id)
         workers = self.workers.role("prefill")
@@ -271,7 +224,7 @@ class ClusterCore:
             return None
         return self._prefill_on(flight, self.router.prefill_worker(workers), blocks)
 
-    def _to_decode(self, flight: _Flight, recompute: bool, peer: str = "", blocks: Sequence[int] = ()) -> None:
+    def _to_decode(self, flight: Flight, recompute: bool, peer: str = "", blocks: Sequence[int] = ()) -> None:
         """Continue a request on a decode worker: reading its K/V from ``peer``, or recomputing its tokens."""
         if recompute:  # no transfer to wait for: anything still reported about one is stale
             flight.kv_done, flight.dest = True, ""
@@ -297,7 +250,7 @@ class ClusterCore:
             worker.free_blocks -= -(-len(tokens) // self.block_size)
             self.workers.send(worker, m.AddRemote(request, peer, list(blocks)))
 
-    def _assign(self, flight: _Flight, worker: Worker, phase: Phase) -> None:
+    def _assign(self, flight: Flight, worker: Worker, phase: Phase) -> None:
         old = self.workers.workers.get(flight.worker)
         if old is not None:
             old.requests.discard(flight.request.request_id)
@@ -381,7 +334,7 @@ class ClusterCore:
             elif not message.request_id:  # the worker's engine failed and the worker exits: recover as from a death
                 self._fence(worker, f"it failed: {message.message.splitlines()[0] if message.message else ''}")
 
-    def _on_kv_loaded(self, flight: _Flight, message: m.KVLoaded) -> None:
+    def _on_kv_loaded(self, flight: Flight, message: m.KVLoaded) -> None:
         flight.kv_done = True
         route = flight.route
         fields: dict[str, Any] = {"kv_transfer_bytes": route.get("kv_transfer_bytes", 0) + message.bytes,
@@ -431,14 +384,14 @@ class ClusterCore:
             return
         self._emit(flight, out)
 
-    def _unpark(self, flight: _Flight) -> None:
+    def _unpark(self, flight: Flight) -> None:
         """Deliver a final output that waited for its transfer's report."""
         if flight.parked is not None:
             out, _ = flight.parked
             flight.parked = None
             self._emit(flight, out)
 
-    def _adopt(self, flight: _Flight) -> None:
+    def _adopt(self, flight: Flight) -> None:
         """Push modes: the decode worker takes the request into the blocks the prefill worker writes into."""
         dest = self.workers.workers[flight.dest]
         prompt = flight.request.prompt_token_ids
@@ -447,7 +400,7 @@ class ClusterCore:
         self._assign(flight, dest, Phase.DECODE)
         self.workers.send(dest, m.Adopt(request))
 
-    def _let_go(self, flight: _Flight, worker: Worker, held: list[int] | None) -> None:
+    def _let_go(self, flight: Flight, worker: Worker, held: list[int] | None) -> None:
         """A request ended at its first token: free what was kept for its decode."""
         if held is not None:
             self.workers.send(worker, m.ReleaseKV(flight.request.request_id))
@@ -458,13 +411,13 @@ class ClusterCore:
             self.workers.send(dest, m.ReleaseReservation(flight.request.request_id, True))
         flight.dest = ""
 
-    def _continues(self, flight: _Flight, out: EngineCoreOutput) -> bool:
+    def _continues(self, flight: Flight, out: EngineCoreOutput) -> bool:
         """Whether a prefill that ended by length (its forced max_tokens=1) still has tokens to produce."""
         produced = len(flight.tokens) + len(out.new_token_ids)
         total = flight.request.num_prompt_tokens + produced
         return produced < flight.request.params.max_tokens and total < self.max_model_len
 
-    def _emit(self, flight: _Flight, out: EngineCoreOutput) -> None:
+    def _emit(self, flight: Flight, out: EngineCoreOutput) -> None:
         """Hand ``out`` to the front end (at the next :meth:`step`), with the route's news."""
         flight.tokens.extend(out.new_token_ids)
         if flight.route_changed:
@@ -495,7 +448,7 @@ class ClusterCore:
             else:
                 self._to_decode(flight, recompute=True)
 
-    def _finish_with_error(self, flight: _Flight, message: str) -> None:
+    def _finish_with_error(self, flight: Flight, message: str) -> None:
         worker = self.workers.workers.get(flight.worker)
         if worker is not None:
             worker.requests.discard(flight.request.request_id)
