@@ -1,8 +1,9 @@
 """Chapter 07 checkers against planted bugs (the three states of every checker, in one place here too).
 
 The references also agree with minipd itself: the route with the engine's softmax router, the permutation
-with the local dispatcher's, and the expected experts with :mod:`minipd.viz.moe`'s curve. The checkers swap
-routers and dispatchers of a live engine; every test here checks that the swap is undone.
+with the local dispatcher's, and the expected experts with :mod:`minipd.viz.moe`'s curve and the simulation
+the chapter draws until the reader's formula passes. The checkers swap routers and dispatchers of a live
+engine; every test here checks that the swap is undone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from minipd.exercises import ch07
 from minipd.exercises.checking import TODO_MESSAGE, CheckResult
 from minipd.moe.dispatch import LocalDispatcher
 from minipd.moe.router import SoftmaxRouter, softmax_topk
-from minipd.viz.moe import expected_experts_touched
+from minipd.viz import moe as viz
 
 NAMES = ["route", "sort_by_expert", "expected_experts_touched"]
 
@@ -245,4 +246,31 @@ def test_touched_bugs_fail(bug: Callable[..., Any], expected: str) -> None:
 
 def test_touched_reference_is_the_viz_curve() -> None:
     for e, k, b in ((8, 2, 1), (256, 8, 64), (128, 8, 3)):
-        assert ch07.reference_expected_experts_touched(e, k, b) == pytest.approx(expected_experts_touched(e, k, b))
+        assert ch07.reference_expected_experts_touched(e, k, b) == pytest.approx(viz.expected_experts_touched(e, k, b))
+
+
+def test_the_simulation_the_chapter_draws_agrees_with_the_reference() -> None:
+    for e, k, b in ((8, 2, 1), (8, 2, 4), (128, 8, 16), (256, 8, 64), (256, 8, 1024)):
+        assert viz.simulated_experts_touched(e, k, b) == pytest.approx(ch07.reference_expected_experts_touched(e, k, b),
+                                                                   abs=0.01 * e)
+    assert viz.simulated_experts_touched(8, 2, 0) == 0
+    # Drawn, not computed: another seed draws other steps, to the same count up to sampling noise.
+    one, other = (viz.simulated_experts_touched(64, 8, 4, steps=400, seed=seed) for seed in (1, 2))
+    assert one != other and one == pytest.approx(other, abs=0.5)
+
+
+def test_the_figure_and_the_bytes_use_the_rule_they_are_given() -> None:
+    seen = []
+
+    def readers(e: int, k: int, b: int) -> float:
+        seen.append((e, k, b))
+        return ch07.reference_expected_experts_touched(e, k, b)
+
+    models = [viz.moe_model(name) for name in viz.MOE_MODELS]
+    axes = viz.plot_experts_touched(models, [1, 8, 64], measured={1: [2, 2]}, touched=readers,
+                                    touched_label="your formula")
+    assert (256, 8, 64) in seen and "your formula" in axes[0].get_title()
+    assert models[2].decode_weight_bytes(8, touched=readers) == pytest.approx(models[2].decode_weight_bytes(8))
+    every_expert = models[2].decode_weight_bytes(8, touched=lambda e, k, b: e)
+    assert every_expert == pytest.approx(models[2].decode_weight_bytes(10**6))
+

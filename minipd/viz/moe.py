@@ -4,7 +4,8 @@ Three kinds of helpers live here, each tested in ``tests/test_viz_moe.py``:
 
 - **numbers** the plots need: :func:`moe_model` (parameters and FLOPs of real MoE models, from
   :mod:`minipd.sim.costs` presets, or from their public configs where no preset exists yet),
-  :func:`expected_experts_touched`, :func:`token_class`, :func:`capacity_load`;
+  :func:`expected_experts_touched` (and :func:`simulated_experts_touched`, the same by sampling),
+  :func:`token_class`, :func:`capacity_load`;
 - **plots**, each drawing on given Axes (or new ones) and returning them;
 - a **widget**, :func:`routing_explorer` (top-k and capacity sliders over recorded router logits), with
   :func:`plot_capacity_sweep` as its static fallback.
@@ -14,9 +15,10 @@ matplotlib and ipywidgets are imported only when something is drawn.
 
 from __future__ import annotations
 
+import functools
 import keyword
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,8 +51,12 @@ __all__ = [
     "plot_router_heatmap",
     "plot_sparsity",
     "routing_explorer",
+    "simulated_experts_touched",
     "token_class",
 ]
+
+#: A rule for the distinct experts one MoE layer reads: ``touched(num_experts, top_k, batch)``.
+TouchedRule = Callable[[int, int, int], float]
 
 
 def _axes(ax: Any, ncols: int, figsize: tuple[float, float]) -> Any:
@@ -142,10 +148,14 @@ class MoEModel:
         """What a token would cost if every expert ran: a dense model of the same parameters."""
         return 2 * (self.weights_per_token + self.moe_layers * (self.num_experts - self.top_k) * self.expert_params)
 
-    def decode_weight_bytes(self, batch: int, dtype_bytes: int = 2) -> float:
-        """Expected weight bytes one decode step of ``batch`` tokens reads, with uniform independent routing."""
-        touched = expected_experts_touched(self.num_experts, self.top_k, batch)
-        return dtype_bytes * (self.always_read_params + self.moe_layers * touched * self.expert_params)
+    def decode_weight_bytes(self, batch: int, dtype_bytes: int = 2, touched: TouchedRule | None = None) -> float:
+        """Expected weight bytes one decode step of ``batch`` tokens reads, with uniform independent routing.
+
+        ``touched(num_experts, top_k, batch)`` gives the experts each MoE layer reads (by default
+        :func:`expected_experts_touched`; chapter 07 passes the reader's formula or a simulation).
+        """
+        experts = (touched or expected_experts_touched)(self.num_experts, self.top_k, batch)
+        return dtype_bytes * (self.always_read_params + self.moe_layers * experts * self.expert_params)
 
 
 #: The three models of the chapter, by :mod:`minipd.sim.costs` preset name.
@@ -444,17 +454,46 @@ def expected_experts_touched(num_experts: int, top_k: int, batch: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
+@functools.lru_cache(maxsize=4096)
+def simulated_experts_touched(num_experts: int, top_k: int, batch: int, steps: int = 200, seed: int = 0) -> float:
+    """Distinct experts a layer reads for ``batch`` tokens, averaged over ``steps`` simulated decode steps in which
+    each token picks ``top_k`` distinct experts uniformly at random, independently of the others.
+
+    No formula: every step is drawn (random scores, each token's ``top_k`` largest) and its distinct experts
+    counted, so it agrees with :func:`expected_experts_touched` up to sampling noise. Large batches draw fewer
+    steps (at most about 8M random numbers a point): there nearly every expert is read every step, and the
+    count hardly varies. Seeded, so a figure drawn from it is the same on every run; cached, since a figure
+    asks for the same point twice.
+    """
+    steps = max(1, min(steps, 2**23 // max(1, batch * num_experts)))
+    gen = torch.Generator().manual_seed(seed)
+    chunk = max(1, 2**21 // max(1, batch * num_experts))  # steps drawn at once: about 2M random numbers
+    total, done = 0.0, 0
+    while done < steps and batch > 0:
+        n = min(chunk, steps - done)
+        ids = torch.rand(n, batch, num_experts, generator=gen).topk(top_k, dim=-1).indices.reshape(n, -1)
+        total += torch.zeros(n, num_experts).scatter_(1, ids, 1.0).sum().item()
+        done += n
+    return total / steps
+
+
 def plot_experts_touched(models: Sequence[MoEModel], batches: Sequence[int],
                          measured: Mapping[int, Sequence[float]] | None = None, measured_experts: int = 8,
-                         measured_top_k: int = 2, axes: Any = None) -> Any:
+                         measured_top_k: int = 2, axes: Any = None, touched: TouchedRule | None = None,
+                         touched_label: str = "uniform routing") -> Any:
     """Left: the expected share of experts one decode step reads against the batch, for each model with uniform
     routing, and ``measured[batch]`` (distinct experts per layer and step) of a small model as points.
-    Right: the expected weight bytes a step reads (bf16), all the weights dotted."""
+    Right: the expected weight bytes a step reads (bf16), all the weights dotted.
+
+    ``touched(num_experts, top_k, batch)`` draws the curves (by default :func:`expected_experts_touched`; chapter
+    07 passes the reader's formula, or :func:`simulated_experts_touched` until it passes); ``touched_label`` says
+    which in the titles."""
+    touched = touched or expected_experts_touched
     axes = _axes(axes, 2, (12, 3.6))
     for i, m in enumerate(models):
-        share = [expected_experts_touched(m.num_experts, m.top_k, b) / m.num_experts for b in batches]
+        share = [touched(m.num_experts, m.top_k, b) / m.num_experts for b in batches]
         axes[0].plot(batches, share, color=f"C{i}", label=f"{m.name} ({m.num_experts} experts, top-{m.top_k})")
-        gb = [m.decode_weight_bytes(b) / 1e9 for b in batches]
+        gb = [m.decode_weight_bytes(b, touched=touched) / 1e9 for b in batches]
         axes[1].plot(batches, gb, color=f"C{i}", label=m.name)
         axes[1].axhline(2 * m.total_params / 1e9, color=f"C{i}", ls=":", lw=1)
     if measured:
@@ -463,11 +502,12 @@ def plot_experts_touched(models: Sequence[MoEModel], batches: Sequence[int],
         axes[0].scatter(xs, share, color="k", zorder=3,
                         label=f"tiny-py-moe decode steps, measured ({measured_experts} experts, top-{measured_top_k})")
     axes[0].set(xscale="log", xlabel="decode batch (tokens per step)", ylabel="share of experts read per layer",
-                ylim=(0, 1.05), title="experts one decode step touches")
+                ylim=(0, 1.05), title=f"experts one decode step touches\n(lines: {touched_label})")
     axes[0].yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
     axes[0].legend(fontsize="small", frameon=False)
     axes[1].set(xscale="log", yscale="log", xlabel="decode batch (tokens per step)",
-                ylabel="weight GB read per step (bf16)", title="weights read per step (dotted: all of them)")
+                ylabel="weight GB read per step (bf16)",
+                title=f"weights read per step (dotted: all of them)\n(lines: {touched_label})")
     axes[1].legend(fontsize="small", frameon=False)
     return axes
 
