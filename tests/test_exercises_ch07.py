@@ -3,12 +3,15 @@
 The references also agree with minipd itself: the route with the engine's softmax router, the permutation
 with the local dispatcher's, and the expected experts with :mod:`minipd.viz.moe`'s curve and the simulation
 the chapter draws until the reader's formula passes. The checkers swap routers and dispatchers of a live
-engine; every test here checks that the swap is undone.
+engine; every test here checks that the swap is undone. No answer reaches the chapter before its exercise.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +25,7 @@ from minipd.moe.router import SoftmaxRouter, softmax_topk
 from minipd.viz import moe as viz
 
 NAMES = ["route", "sort_by_expert", "expected_experts_touched"]
+CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "07_moe.ipynb"
 
 
 def checker(name: str) -> Callable[[Any], CheckResult]:
@@ -274,3 +278,14 @@ def test_the_figure_and_the_bytes_use_the_rule_they_are_given() -> None:
     every_expert = models[2].decode_weight_bytes(8, touched=lambda e, k, b: e)
     assert every_expert == pytest.approx(models[2].decode_weight_bytes(10**6))
 
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_answer_reaches_the_chapter_before_its_exercise(name: str) -> None:
+    """No code cell before the checker's names the reference solution, or (for the experts touched) minipd's own
+    copy of the formula: the chapter draws uniform routing by simulation until the reader's formula passes."""
+    cells = ["".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    checked = next(i for i, source in enumerate(cells) if f"check_{name}(" in source)
+    answers = [rf"\breference_{name}\b"] + [r"\bexpected_experts_touched\b"] * (name == "expected_experts_touched")
+    for source in cells[:checked]:
+        for answer in answers:
+            assert not re.search(answer, source), f"{answer} before the {name} exercise:\n{source}"
