@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import time
@@ -28,7 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from minipd.serve.workload import PlannedRequest, prompt_ids, synthetic_workload, trace_workload
+from minipd.serve.workload import (
+    PlannedRequest,
+    at_rate,
+    prompt_ids,
+    prompts_workload,
+    synthetic_workload,
+    trace_rate,
+    trace_workload,
+)
 
 #: Text the server tokenises once; synthetic prompts are cut from its tokens.
 BASE_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -117,6 +126,15 @@ async def _one(session: Any, url: str, model: str, item: PlannedRequest, prompt:
         result.error = f"{type(err).__name__}: {err}"
 
 
+async def server_model(url: str, timeout: float = 30.0) -> str:
+    """The first model the server at ``url`` lists (``GET /v1/models``)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as client:
+        async with client.get(f"{url}/v1/models") as response:
+            return (await response.json())["data"][0]["id"]
+
+
 async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | None = None,
                    concurrency: int | None = None, timeout: float = 300.0, progress: bool = True,
                    warmup: int = 1) -> list[RequestResult]:
@@ -130,8 +148,7 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: the schedule, not the pool, sets the load
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
         if model is None:
-            async with client.get(f"{url}/v1/models") as response:
-                model = (await response.json())["data"][0]["id"]
+            model = await server_model(url)
         async with client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT}) as response:
             base = (await response.json())["tokens"]
         prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i)
@@ -176,20 +193,51 @@ def _stats(values: list[float], name: str, scale: float = 1000.0) -> dict[str, f
             f"p99_{name}": float(np.percentile(arr, 99))}
 
 
-def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict[str, Any]:
-    """The run in vLLM's benchmark keys (times in ms), with SLO attainment and the dispatch lag."""
+#: ``goodput_fn(results, slo, duration_s) -> requests/s``: how :func:`summarize` computes ``request_goodput``.
+GoodputFn = Callable[[Sequence[RequestResult], Slo, float], float]
+
+
+def default_request_goodput(results: Sequence[RequestResult], slo: Slo, duration: float) -> float:
+    """vLLM's ``request_goodput``: completed requests that met every objective of ``slo``, per second of the run."""
+    return sum(r.ok and slo.met(r) for r in results) / duration
+
+
+def latency_goodput(fn: Callable[[list[float], list[float], float, float, float], float]) -> GoodputFn:
+    """A :data:`GoodputFn` from a function of per-request latencies, ``fn(ttfts_ms, tpots_ms, duration_s,
+    ttft_slo_ms, tpot_slo_ms)`` (chapter 08's exercise): it is given the completed requests' TTFT and TPOT in
+    ms, an objective not set as ``inf``. An ``e2el`` objective cannot be passed on, so it is refused."""
+
+    def goodput(results: Sequence[RequestResult], slo: Slo, duration: float) -> float:
+        if slo.e2el_ms is not None:
+            raise ValueError("a goodput function of TTFT and TPOT cannot judge an e2el SLO")
+        done = [r for r in results if r.ok]
+        return fn([r.ttft * 1000 for r in done], [r.tpot * 1000 for r in done], duration,
+                  math.inf if slo.ttft_ms is None else slo.ttft_ms, math.inf if slo.tpot_ms is None else slo.tpot_ms)
+
+    return goodput
+
+
+def summarize(results: Sequence[RequestResult], slo: Slo | None = None,
+              goodput_fn: GoodputFn | None = None) -> dict[str, Any]:
+    """The run in vLLM's benchmark keys (times in ms), with SLO attainment and the dispatch lag.
+
+    ``request_goodput`` is ``goodput_fn(results, slo, duration_s)`` (default :func:`default_request_goodput`;
+    :func:`latency_goodput` adapts a function of TTFT/TPOT lists), None without ``slo``. Per request, in the
+    order of ``results``: ``intended_send_times`` and ``actual_send_times`` (seconds from the run's start;
+    their differences are the dispatch lags the ``*_dispatch_lag_ms`` keys summarise)."""
     done = [r for r in results if r.ok]
     duration = max((r.sent + r.e2el for r in done), default=0.0) - min((r.sent for r in results), default=0.0)
     duration = max(duration, 1e-9)
     inputs, outputs = sum(r.prompt_tokens for r in done), sum(r.output_tokens for r in done)
     met = [r for r in done if slo is None or slo.met(r)]
     lags = [r.sent - r.intended for r in results]
+    goodput = None if slo is None else float((goodput_fn or default_request_goodput)(results, slo, duration))
     summary: dict[str, Any] = {
         "duration": duration, "completed": len(done), "failed": len(results) - len(done),
         "total_input_tokens": inputs, "total_output_tokens": outputs,
         "request_throughput": len(done) / duration, "output_throughput": outputs / duration,
         "total_token_throughput": (inputs + outputs) / duration,
-        "request_goodput": len(met) / duration if slo is not None else None,
+        "request_goodput": goodput,
         "slo_attainment": len(met) / len(results) if results else 0.0,
         **_stats([r.ttft for r in done], "ttft_ms"), **_stats([r.tpot for r in done if r.output_tokens > 1], "tpot_ms"),
         **_stats([x for r in done for x in r.itls], "itl_ms"), **_stats([r.e2el for r in done], "e2el_ms"),
@@ -197,6 +245,7 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict[
         "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itls for r in results],
         "errors": [r.error for r in results],
+        "intended_send_times": [r.intended for r in results], "actual_send_times": [r.sent for r in results],
     }
     return summary
 
@@ -260,13 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     parser.add_argument("--prompt-len", default="128", help="N or LOW:HIGH tokens (default 128)")
     parser.add_argument("--output-len", default="32", help="N or LOW:HIGH tokens (default 32)")
-    parser.add_argument("--trace", default=None, help="JSONL: arrival, prompt_len (or prompt), output_len per line")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", default=None,
+                        help="JSONL: arrival, prompt_len (or prompt), output_len per line; with --rate or "
+                             "--search-goodput its times are scaled to the rate (its shape kept)")
+    source.add_argument("--prompts", default=None, metavar="FILE",
+                        help="real prompts: one per line, or JSONL with {\"prompt\": ...} (output lengths from "
+                             "--output-len, send times from --rate/--burstiness)")
+    parser.add_argument("--prompts-order", choices=("random", "cycle"), default="random",
+                        help="with --prompts: pick at random (seeded, default) or take them in file order, cycling")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS",
                         help="SLOs (ttft:MS tpot:MS e2el:MS) for request_goodput and attainment")
     parser.add_argument("--search-goodput", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),
                         help="find DistServe's goodput: the highest rate in [LOW, HIGH] with >= 90%% attainment")
     parser.add_argument("--warmup", type=int, default=1, help="requests sent first and not counted (default 1)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take (default 300)")
     parser.add_argument("--output", default=None, help="write the JSON summary here")
     return parser
 
@@ -276,27 +334,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     slo = Slo.parse(args.goodput) if args.goodput else None
 
-    def plan(rate: float) -> list[PlannedRequest]:
-        if args.trace:
-            return trace_workload(args.trace)
-        return synthetic_workload(args.num_requests, rate, args.prompt_len, args.output_len, args.burstiness,
-                                  args.seed)
-
-    def run_at(rate: float) -> list[RequestResult]:
-        return asyncio.run(run_load(args.url, plan(rate), args.model, args.concurrency, warmup=args.warmup))
-
     if args.search_goodput:
         if slo is None:
             raise ValueError("--search-goodput needs SLOs: --goodput ttft:MS tpot:MS")
+        if args.concurrency:
+            raise ValueError("--search-goodput bisects over the offered rate, which a closed loop "
+                             "(--concurrency) does not set: drop --concurrency")
+        if args.rate is not None:
+            raise ValueError("--search-goodput chooses the rates itself (between LOW and HIGH): drop --rate")
+    trace = trace_workload(args.trace) if args.trace else None
+
+    def plan(rate: float) -> list[PlannedRequest]:
+        if trace is not None:  # replayed as recorded, or scaled to the rate asked for (--rate, --search-goodput)
+            return trace if args.rate is None and not args.search_goodput else at_rate(trace, rate)
+        if args.prompts:
+            return prompts_workload(args.prompts, args.num_requests, rate, args.output_len, args.burstiness,
+                                    args.seed, args.prompts_order)
+        return synthetic_workload(args.num_requests, rate, args.prompt_len, args.output_len, args.burstiness,
+                                  args.seed)
+
+    model = args.model or asyncio.run(server_model(args.url, min(args.timeout, 30.0)))
+
+    def run_at(rate: float) -> list[RequestResult]:
+        return asyncio.run(run_load(args.url, plan(rate), model, args.concurrency, args.timeout,
+                                    warmup=args.warmup))
+
+    # vLLM's benchmark_serving keys (request_rate, max_concurrency, num_prompts, model_id, ...); the names this
+    # report had first (rate, concurrency) are kept as aliases.
+    about: dict[str, Any] = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "minipd",
+                             "model_id": model, "burstiness": args.burstiness, "seed": args.seed}
+    if args.search_goodput:
         best, tried = search_goodput(run_at, slo, *args.search_goodput)
-        report: dict[str, Any] = {"goodput": best, "tried": tried, "slo": asdict(slo)}
+        report: dict[str, Any] = {"goodput": best, "tried": tried, "slo": asdict(slo), **about,
+                                  "num_prompts": len(plan(args.search_goodput[0]))}
         print(f"goodput (DistServe): {best:.2f} req/s with >= 90% of requests within {asdict(slo)}")
         for rate, share in tried:
             print(f"  {rate:7.2f} req/s: {share:.0%} met the SLOs")
     else:
         rate = args.rate if args.rate is not None else (math.inf if args.concurrency else 4.0)
-        report = summarize(run_at(rate), slo)
-        report.update(rate=rate, burstiness=args.burstiness, concurrency=args.concurrency, seed=args.seed)
+        if trace is not None and args.rate is None and not args.concurrency:
+            rate = trace_rate(trace)  # the trace's own
+        results = run_at(rate)
+        report = summarize(results, slo)
+        report.update(about, num_prompts=len(results), request_rate=rate if math.isfinite(rate) else "inf",
+                      max_concurrency=args.concurrency, rate=rate, concurrency=args.concurrency)
         print(format_summary(report))
     if args.output:
         with open(args.output, "w") as f:
@@ -304,5 +385,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["RequestResult", "Slo", "attainment_share", "format_summary", "meets", "run_load", "search_goodput",
-           "summarize"]
+__all__ = ["GoodputFn", "RequestResult", "Slo", "attainment_share", "default_request_goodput", "format_summary",
+           "latency_goodput", "meets", "run_load", "search_goodput", "server_model", "summarize"]

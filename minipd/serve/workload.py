@@ -4,14 +4,17 @@ Arrivals are Poisson by default (exponential gaps at ``rate`` requests/s), or ga
 the same mean with shape ``burstiness`` (1 is Poisson; below 1 burstier, above 1 more regular: the gaps'
 coefficient of variation is ``1 / sqrt(burstiness)``, as in vLLM's benchmark), or read from a JSONL trace
 (``{"arrival": s, "prompt_len": n, "output_len": m}`` per line, or ``"prompt"`` text instead of a length).
-Lengths are fixed, uniform in a range (``"64:256"``), or taken from the trace.
+Lengths are fixed, uniform in a range (``"64:256"``), or taken from the trace. Prompts can also be real
+text from a prompts file (:func:`read_prompts`, :func:`prompts_workload`): one per line, or JSONL with
+``{"prompt": ...}``, chosen at random (seeded) or cycled through in file order.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +94,66 @@ def trace_workload(path: str | Path, time_scale: float = 1.0) -> list[PlannedReq
     return sorted(planned, key=lambda r: r.send_at)
 
 
+def trace_rate(planned: Sequence[PlannedRequest]) -> float:
+    """The average arrival rate of a schedule (requests/s over its span; inf when all arrive at once)."""
+    span = max(r.send_at for r in planned) - min(r.send_at for r in planned) if planned else 0.0
+    return (len(planned) - 1) / span if span > 0 else math.inf
+
+
+def at_rate(planned: Sequence[PlannedRequest], rate: float) -> list[PlannedRequest]:
+    """``planned`` with its send times scaled so that its average rate (:func:`trace_rate`) is ``rate``: a trace
+    keeps its shape (bursts and lulls) at any load."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (inf sends everything at once), got {rate!r}")
+    own = trace_rate(planned)
+    scale = 0.0 if math.isinf(rate) else (1.0 if math.isinf(own) else own / rate)
+    return [replace(r, send_at=r.send_at * scale) for r in planned]
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a file: JSONL with ``{"prompt": "..."}`` per line (when its first line is such an
+    object), else one prompt per line (blank lines skipped)."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no prompts")
+    try:
+        first = json.loads(lines[0])
+    except ValueError:
+        first = None
+    if not (isinstance(first, dict) and "prompt" in first):
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: prompt {number}: a JSONL prompts file needs {{\"prompt\": \"...\"}} on every "
+                             f"line ({type(err).__name__}: {err})") from None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}: prompt {number}: the prompt must be a non-empty string, got {prompt!r}")
+        prompts.append(prompt)
+    return prompts
+
+
+def prompts_workload(prompts: Sequence[str] | str | Path, num_requests: int, rate: float,
+                     output_lens: str | int = 64, burstiness: float = 1.0, seed: int = 0,
+                     order: str = "random") -> list[PlannedRequest]:
+    """``num_requests`` requests with real prompt text (a list, or a file for :func:`read_prompts`) sent when
+    :func:`synthetic_workload` would send them (same seed, same times), output lengths drawn from
+    ``output_lens`` (see :func:`parse_lengths`). ``order``:
+    ``"random"`` picks each prompt at random (seeded, with replacement), ``"cycle"`` takes them in order,
+    starting over at the end."""
+    texts = read_prompts(prompts) if isinstance(prompts, str | Path) else list(prompts)
+    if not texts:
+        raise ValueError("no prompts to send")
+    if order not in ("random", "cycle"):
+        raise ValueError(f"the prompts' order is random or cycle, got {order!r}")
+    schedule = synthetic_workload(num_requests, rate, 1, output_lens, burstiness, seed)
+    picks = (np.random.default_rng(seed + 2).integers(0, len(texts), num_requests) if order == "random"
+             else np.arange(num_requests) % len(texts))
+    return [replace(r, prompt_len=len(texts[i]), prompt=texts[i]) for r, i in zip(schedule, picks, strict=True)]
+
+
 def prompt_ids(base: list[int], length: int, index: int) -> list[int]:
     """A prompt of ``length`` tokens cut from ``base`` (the server's tokens of a text), starting at a place that
     depends on ``index``, so requests differ (and share prefixes only by chance)."""
@@ -100,4 +163,5 @@ def prompt_ids(base: list[int], length: int, index: int) -> list[int]:
     return [base[(start + i) % len(base)] for i in range(length)]
 
 
-__all__ = ["PlannedRequest", "arrival_gaps", "parse_lengths", "prompt_ids", "synthetic_workload", "trace_workload"]
+__all__ = ["PlannedRequest", "arrival_gaps", "at_rate", "parse_lengths", "prompt_ids", "prompts_workload",
+           "read_prompts", "synthetic_workload", "trace_rate", "trace_workload"]

@@ -1,0 +1,225 @@
+"""The load generator on its own: prompts files, the JSON report (vLLM's keys, intended against actual send
+times), the goodput search's refusals, a pluggable request goodput, and its schedule kept at 50 req/s against a
+fake server that answers at once (so what is measured is the load generator's dispatching, not an engine).
+
+The fake server (aiohttp, in a process of its own on 127.0.0.1) streams ``max_tokens`` one-character chunks, then
+a usage chunk whose ``prompt_tokens`` is the prompt's length (characters for text, ids for token lists), then
+``[DONE]``; it is killed on the way out, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from minipd.serve import loadgen
+from minipd.serve.loadgen import RequestResult, Slo, latency_goodput, main, summarize
+from minipd.serve.workload import (
+    PlannedRequest,
+    at_rate,
+    prompts_workload,
+    read_prompts,
+    synthetic_workload,
+    trace_rate,
+)
+
+FAKE_SERVER = textwrap.dedent('''
+    import asyncio, json, sys
+    from aiohttp import web
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def tokenize(request):
+        return web.json_response({"tokens": list(range(1, 65))})
+
+    async def completions(request):
+        body = await request.json()
+        prompt = body["prompt"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(body["max_tokens"]):
+            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\\n\\n".encode())
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"],
+                 "total_tokens": len(prompt) + body["max_tokens"]}
+        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\\n\\n".encode())
+        await response.write(b"data: [DONE]\\n\\n")
+        await response.write_eof()
+        return response
+
+    async def serve():
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", models), web.post("/tokenize", tokenize),
+                        web.post("/v1/completions", completions)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print("port", site._server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+''')
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    """A fake OpenAI-compatible server in its own process; its URL. Always killed afterwards."""
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the child prints its port once it listens (or exits: an empty line)
+        if not line.startswith("port "):
+            proc.kill()
+            raise RuntimeError(f"the fake server did not start: {line!r} {proc.communicate(timeout=10)[1][-2000:]}")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def run_cli(url: str, tmp_path, *args: str) -> dict:
+    """``loadgen`` against ``url`` (bounded: every request within 20 s); its JSON report."""
+    out = tmp_path / "report.json"
+    assert main(["--url", url, "--warmup", "0", "--timeout", "20", "--output", str(out), *args]) == 0
+    return json.loads(out.read_text())
+
+
+# G14: a prompts file.
+
+def test_a_prompts_file_is_read_as_lines_or_jsonl(tmp_path):
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("def f(x):\n\nclass Stack:\nimport os\n")
+    assert read_prompts(lines) == ["def f(x):", "class Stack:", "import os"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "def f(x):\n    return x"}) + "\n" + json.dumps({"prompt": "b = 2"}) + "\n")
+    assert read_prompts(jsonl) == ["def f(x):\n    return x", "b = 2"]  # newlines inside a prompt survive
+    jsonl.write_text(json.dumps({"prompt": "a"}) + "\nnot json\n")
+    with pytest.raises(ValueError, match="prompt 2"):
+        read_prompts(jsonl)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(tmp_path / "empty.txt")
+
+
+def test_prompts_are_chosen_by_seed_or_cycled_on_the_synthetic_schedule():
+    texts = ["aa", "bbbb", "c", "ddddddd"]
+    a = prompts_workload(texts, 40, 10.0, "3:9", seed=5)
+    assert a == prompts_workload(texts, 40, 10.0, "3:9", seed=5)  # same seed, same requests
+    assert [r.prompt for r in a] != [r.prompt for r in prompts_workload(texts, 40, 10.0, "3:9", seed=6)]
+    assert {r.prompt for r in a} == set(texts) and all(r.prompt_len == len(r.prompt) for r in a)
+    assert all(3 <= r.output_len <= 9 for r in a)
+    assert [r.send_at for r in a] == [r.send_at for r in synthetic_workload(40, 10.0, seed=5)]
+    cycled = prompts_workload(texts, 6, 10.0, 4, order="cycle")
+    assert [r.prompt for r in cycled] == texts + texts[:2] and {r.output_len for r in cycled} == {4}
+    with pytest.raises(ValueError, match="random or cycle"):
+        prompts_workload(texts, 6, 10.0, 4, order="sorted")
+
+
+def test_the_command_sends_the_prompts_of_a_file(fake_url, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["def f(x):", "import numpy as np", "class A:\n    pass"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    report = run_cli(fake_url, tmp_path, "--prompts", str(prompts), "--prompts-order", "cycle", "--rate", "200",
+                     "--num-requests", "5", "--output-len", "3")
+    assert report["completed"] == 5
+    assert report["input_lens"] == [len(texts[i % 3]) for i in range(5)]  # the fake server counts the characters
+    assert report["output_lens"] == [3] * 5
+
+
+# G15 and G16: the report.
+
+def test_the_summary_records_intended_and_actual_send_times():
+    rng = np.random.default_rng(0)
+    intended = np.cumsum(rng.exponential(0.02, 200))
+    sent = intended + rng.exponential(0.001, 200)
+    results = [RequestResult(intended=float(i), sent=float(s), ok=True, output_tokens=3, ttft=0.01, e2el=0.03)
+               for i, s in zip(intended, sent, strict=True)]
+    summary = summarize(results)
+    assert summary["intended_send_times"] == list(intended) and summary["actual_send_times"] == list(sent)
+    lags = (np.array(summary["actual_send_times"]) - np.array(summary["intended_send_times"])) * 1000
+    for key, value in (("mean", lags.mean()), ("median", np.median(lags)), ("p90", np.percentile(lags, 90)),
+                       ("p99", np.percentile(lags, 99))):
+        assert math.isclose(summary[f"{key}_dispatch_lag_ms"], value, rel_tol=1e-9), key
+
+
+def test_the_report_has_vllms_keys_and_keeps_the_old_ones(fake_url, tmp_path):
+    report = run_cli(fake_url, tmp_path, "--rate", "100", "--num-requests", "8", "--prompt-len", "4",
+                     "--output-len", "2", "--goodput", "ttft:1000")
+    assert report["request_rate"] == 100.0 and report["max_concurrency"] is None
+    assert report["num_prompts"] == 8 and report["model_id"] == "fake-model" and report["backend"] == "minipd"
+    assert report["rate"] == 100.0 and report["concurrency"] is None and report["burstiness"] == 1.0  # aliases
+    assert len(report["intended_send_times"]) == len(report["actual_send_times"]) == 8
+    assert report["intended_send_times"] == [r.send_at for r in synthetic_workload(8, 100.0, 4, 2)]
+    closed = run_cli(fake_url, tmp_path, "--concurrency", "3", "--num-requests", "6", "--prompt-len", "4",
+                     "--output-len", "2", "--model", "fake-model")
+    assert closed["request_rate"] == "inf" and closed["max_concurrency"] == 3 and closed["num_prompts"] == 6
+
+
+def test_a_trace_with_a_rate_is_replayed_at_that_rate(fake_url, tmp_path):
+    planned = [PlannedRequest(t, 4, 2) for t in (0.0, 1.0, 4.0)]  # a lull after a burst: 0.5 req/s on average
+    assert trace_rate(planned) == 0.5 and trace_rate(planned[:1]) == math.inf
+    assert [r.send_at for r in at_rate(planned, 2.0)] == [0.0, 0.25, 1.0]  # the same shape, 4x as fast
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival": t, "prompt_len": 4, "output_len": 2}) + "\n" for t in (0, 1, 4)))
+    report = run_cli(fake_url, tmp_path, "--trace", str(trace), "--rate", "20")
+    assert report["intended_send_times"] == pytest.approx([0.0, 0.025, 0.1]) and report["request_rate"] == 20.0
+    assert run_cli(fake_url, tmp_path, "--trace", str(trace))["intended_send_times"] == [0.0, 1.0, 4.0]  # as is
+
+
+def test_the_goodput_search_refuses_a_closed_loop_and_scales_a_trace(tmp_path, monkeypatch):
+    args = ["--url", "http://127.0.0.1:9", "--model", "m", "--goodput", "ttft:100", "--search-goodput", "1", "4"]
+    with pytest.raises(ValueError, match="--concurrency"):
+        main([*args, "--concurrency", "2"])
+    with pytest.raises(ValueError, match="--rate"):
+        main([*args, "--rate", "2"])
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival": t, "prompt_len": 4, "output_len": 2}) + "\n" for t in (0, 1, 2)))
+    offered: list[float] = []
+
+    async def fake_run_load(url, workload, model, concurrency, timeout, warmup):
+        offered.append(trace_rate(workload))  # the rate each run of the bisection really offered
+        ok = offered[-1] <= 2.6  # meets the SLO up to 2.6 req/s
+        return [RequestResult(intended=0.0, ok=True, output_tokens=2, ttft=0.05 if ok else 1.0, e2el=1.0)
+                for _ in workload]
+
+    monkeypatch.setattr(loadgen, "run_load", fake_run_load)
+    out = tmp_path / "search.json"
+    assert main([*args, "--trace", str(trace), "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [round(r, 6) for r in offered] == [round(rate, 6) for rate, _ in report["tried"]]
+    assert 2.5 <= report["goodput"] <= 2.6 and report["num_prompts"] == 3
+
+
+# G13: a pluggable request goodput.
+
+def test_the_request_goodput_is_pluggable():
+    results = [RequestResult(intended=0.0, sent=0.0, ok=True, output_tokens=11, ttft=t / 1000, e2el=(t + 10 * p) / 1000)
+               for t, p in [(100, 20), (250, 20), (150, 60), (200, 50)]]
+    results.append(RequestResult(intended=0.0, error="HTTP 500"))
+    slo = Slo(ttft_ms=200, tpot_ms=50)
+    default = summarize(results, slo)
+    assert math.isclose(default["request_goodput"], 2 / default["duration"])  # (100, 20) and (200, 50)
+    seen = {}
+
+    def reader(ttfts_ms, tpots_ms, duration_s, ttft_slo_ms, tpot_slo_ms):
+        seen.update(ttfts=ttfts_ms, slos=(ttft_slo_ms, tpot_slo_ms))
+        return sum(a <= ttft_slo_ms and b <= tpot_slo_ms for a, b in zip(ttfts_ms, tpots_ms, strict=True)) / duration_s
+
+    assert summarize(results, slo, goodput_fn=latency_goodput(reader))["request_goodput"] == \
+        pytest.approx(default["request_goodput"])
+    assert seen["ttfts"] == pytest.approx([100, 250, 150, 200]) and seen["slos"] == (200, 50)  # failed left out
+    summarize(results, Slo(ttft_ms=200), goodput_fn=latency_goodput(reader))
+    assert seen["slos"] == (200, math.inf)
+    assert summarize(results, slo, goodput_fn=lambda rs, s, d: 7.0)["request_goodput"] == 7.0
+    assert summarize(results, goodput_fn=lambda rs, s, d: 7.0)["request_goodput"] is None  # no SLO, no goodput
+    with pytest.raises(ValueError, match="e2el"):
+        summarize(results, Slo(e2el_ms=500), goodput_fn=latency_goodput(reader))
