@@ -3,12 +3,15 @@
 Requests go to ``/v1/completions`` as streams (over aiohttp) (with ``ignore_eos``, so every request produces exactly the
 output length planned, and ``include_usage``, so token counts are the server's, never re-tokenised) on a
 seeded schedule (:mod:`minipd.serve.workload`): open loop at ``--rate`` (Poisson or gamma arrivals, or a
-trace), or closed loop with ``--concurrency`` users each sending the next request when the last ends.
+trace, replayed as recorded or scaled to ``--rate``), or closed loop with ``--concurrency`` users each sending
+the next request when the last ends. Prompts are synthetic token ids of ``--prompt-len`` tokens, or real text
+from ``--prompts FILE`` (one per line, or JSONL with ``{"prompt": ...}``).
 
 Per request: time to first token (TTFT), time per output token after the first (TPOT), the gaps between
-streamed chunks (ITL), end-to-end latency (E2EL), and when it was meant to be sent against when it was.
-Summaries use vLLM's benchmark keys (``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``, ...). Two
-goodputs, not to be confused:
+streamed chunks (ITL), end-to-end latency (E2EL), and when it was meant to be sent against when it was
+(``intended_send_times``, ``actual_send_times``: the dispatch lag). Summaries use the keys of vLLM's
+``benchmark_serving`` JSON (``request_rate``, ``max_concurrency``, ``num_prompts``, ``model_id``,
+``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``, ...). Two goodputs, not to be confused:
 
 - ``request_goodput`` (vLLM's): completed requests per second that met every SLO, at the rate offered;
 - DistServe's goodput (:func:`search_goodput`): the highest offered rate at which at least 90% of
@@ -126,6 +129,21 @@ async def _one(session: Any, url: str, model: str, item: PlannedRequest, prompt:
         result.error = f"{type(err).__name__}: {err}"
 
 
+#: How long before a send time :func:`_until` stops sleeping and yields instead: the event loop's timers wake up
+#: to a millisecond late (epoll rounds its timeout up to whole milliseconds).
+SPIN_S = 0.0015
+
+
+async def _until(deadline: float) -> None:
+    """Return at ``deadline`` (``time.perf_counter()``), not a millisecond after: sleep to just before it, then yield
+    to the event loop (other requests' work goes on) until it comes."""
+    delay = deadline - time.perf_counter() - SPIN_S
+    if delay > 0:
+        await asyncio.sleep(delay)
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0)
+
+
 async def server_model(url: str, timeout: float = 30.0) -> str:
     """The first model the server at ``url`` lists (``GET /v1/models``)."""
     import aiohttp
@@ -177,9 +195,7 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
         else:
             tasks = []
             for i, item in enumerate(workload):
-                delay = item.send_at - (time.perf_counter() - start)
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await _until(start + item.send_at)
                 tasks.append(asyncio.create_task(send(i)))
             await asyncio.gather(*tasks)
         bar.close()
