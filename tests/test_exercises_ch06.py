@@ -3,12 +3,16 @@
 The references also agree with minipd itself: the int8 codes with ``minipd.kv.quant.FORMATS``, the
 recent-window press with the sink-window press where there is no sink, and the bytes with the KV spec
 of an engine and the K/V it exports. The int8 checker swaps the engine's format while it runs; every
-test here checks that the swap is undone, whatever the reader's function did.
+test here checks that the swap is undone, whatever the reader's function did. No answer reaches the chapter
+before its exercise.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +26,7 @@ from minipd.kv.press import SinkWindowPress, blocks_to_drop
 from minipd.kv.quant import FORMATS
 
 NAMES = ["quantize_int8", "recent_window_score", "compressed_transfer_bytes"]
+CHAPTER = Path(__file__).resolve().parent.parent / "chapters" / "06_kv_compression.ipynb"
 
 
 def checker(name: str) -> Callable[[Any], CheckResult]:
@@ -305,3 +310,12 @@ def test_bytes_reference_is_what_the_engine_stores_and_exports(kv_cache_dtype: s
             llm.engine.step()
         assert llm.engine.export_kv(state.request_id, prompt_len).nbytes == want
         assert llm.engine.release_kv(state.request_id)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_answer_reaches_the_chapter_before_its_exercise(name: str) -> None:
+    """No code cell before the checker's names the reference solution or imports the chapter's exercises."""
+    cells = ["".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    checked = next(i for i, source in enumerate(cells) if f"check_{name}(" in source)
+    for source in cells[:checked]:
+        assert not re.search(rf"\breference_{name}\b|minipd\.exercises\.ch06\b", source), source
