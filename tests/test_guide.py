@@ -37,3 +37,27 @@ def test_the_numbers_behind_the_advice_and_their_figure():
     assert recommend("deepseek-v3", 1000, 200, rate=4).kv_gb == 0  # the weights alone decided
     ax = plot_deployment(long)
     assert ax.get_title() == "recommended: PD split + KV compression" and len(ax.patches) == 2
+
+
+def test_the_simulator_decides_colocated_or_split_and_predicts_goodput_at_gpu_scale():
+    from minipd.serve.guide import simulate_goodput
+
+    # Long prompts and a tight TPOT: prefill chunks sharing decode steps break it; the split serves more per GPU.
+    tight = recommend("llama-3-8b", 6000, 256, rate=2, ttft_slo_ms=2000, tpot_slo_ms=17.5, simulate=True)
+    assert tight.simulated.split > tight.simulated.colocated and tight.deployment == "PD split + KV compression"
+    assert "section 8's simulator figure" in " ".join(tight.reasons)
+    # The same prompts with a 50 ms TPOT: the colocated instance wins, and the guide says so.
+    relaxed = simulate_goodput("llama-3-8b", 6000, 256, 2000, 50)
+    assert relaxed.colocated > relaxed.split and relaxed.tp == 1
+    assert simulate_goodput("llama-3-8b", 8000, 400) is None  # longer than the model's context
+
+
+def test_the_expert_sharding_and_simulated_goodput_figures():
+    from minipd.serve.guide import SimulatedGoodput
+    from minipd.viz.serving import plot_expert_sharding, plot_simulated_goodput
+
+    ax, fits = plot_expert_sharding("deepseek-v3", 80)
+    assert fits == 64 and ax.get_xlabel() == "expert-parallel size (devices)"
+    ax = plot_simulated_goodput({"a": SimulatedGoodput(10, 5, 1, "H100 SXM"), "b": SimulatedGoodput(2, 4, 1, "H100")},
+                                {"a": "one dense instance", "b": "PD split"})
+    assert len(ax.patches) == 4
