@@ -87,3 +87,19 @@ def test_the_references_agree_with_the_load_generator():
     found, _ = search_goodput(run_at, Slo(ttft_ms=200), 1.0, 16.0, iterations=6)
     assert math.isclose(found, ch08.reference_search_goodput(lambda r: math.ceil(curve(r) * 100) / 100, 1.0, 16.0))
     assert ch08.reference_admit(Load(0, 0, 0, 0.0)) and not ch08.reference_admit(Load(5, 0, 5, 0.0))
+
+
+def test_goodput_checker_takes_real_load_test_reports():
+    # A loadgen JSON report in miniature: two requests meet 200 ms / 50 ms, one misses its TPOT, one failed.
+    report = {"ttfts": [0.05, 0.1, 0.12, 0.0], "itls": [[0.02, 0.03], [0.01, 0.02], [0.2, 0.1], []],
+              "output_lens": [3, 3, 3, 0], "errors": ["", "", "", "HTTP 500"], "duration": 2.0, "request_rate": 4.0}
+    case = ch08.loadgen_case(report)
+    assert len(case.args[0]) == 3 and math.isclose(ch08.reference_request_goodput(*case.args), 1.0)
+    assert ch08.check_request_goodput(ch08.reference_request_goodput, [report]).status == "PASS"
+
+    def ignores_tpot(ttfts, tpots, duration, ttft_slo, tpot_slo):
+        """Right on the synthetic cases except the TPOT one; wrong on the report (it counts a slow stream)."""
+        return sum(t <= ttft_slo for t in ttfts) / duration
+
+    result = ch08.check_request_goodput(ignores_tpot, [report])
+    assert result.status == "FAIL"

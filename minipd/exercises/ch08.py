@@ -13,7 +13,7 @@ Each checker prints PASS, FAIL (the first case that differs) or TODO, and never 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from minipd.exercises.checking import Case, CheckResult, call_reader, report
 from minipd.serve.app import Load
@@ -23,6 +23,7 @@ __all__ = [
     "check_admit",
     "check_request_goodput",
     "check_search_goodput",
+    "loadgen_case",
     "reference_admit",
     "reference_request_goodput",
     "reference_search_goodput",
@@ -82,10 +83,25 @@ def _goodput_cases() -> list[Case]:
     ]
 
 
-def check_request_goodput(fn: Callable[..., float]) -> CheckResult:
-    """Check ``fn(ttfts_ms, tpots_ms, duration_s, ttft_slo_ms, tpot_slo_ms) -> requests/s``."""
+def loadgen_case(report: dict, ttft_slo_ms: float = 200.0, tpot_slo_ms: float = 50.0) -> Case:
+    """A case from a real load test: the JSON report of ``python -m minipd loadgen --output`` (its per-request
+    ``ttfts``, ``itls`` and ``output_lens``; failed requests left out), TPOT as the mean gap after the first
+    token."""
+    ttfts, tpots = [], []
+    for ttft, itls, out, error in zip(report["ttfts"], report["itls"], report["output_lens"], report["errors"],
+                                      strict=True):
+        if not error:
+            ttfts.append(ttft * 1000)
+            tpots.append(sum(itls) * 1000 / (out - 1) if out > 1 else 0.0)
+    rate = report.get("request_rate", "?")
+    return Case(f"a load test at {rate} req/s", (ttfts, tpots, report["duration"], ttft_slo_ms, tpot_slo_ms))
+
+
+def check_request_goodput(fn: Callable[..., float], reports: Sequence[dict] = ()) -> CheckResult:
+    """Check ``fn(ttfts_ms, tpots_ms, duration_s, ttft_slo_ms, tpot_slo_ms) -> requests/s`` on synthetic cases,
+    then on the measured latencies of each load-test report in ``reports`` (see :func:`loadgen_case`)."""
     name = "request_goodput"
-    for index, case in enumerate(_goodput_cases()):
+    for index, case in enumerate(_goodput_cases() + [loadgen_case(r) for r in reports]):
         actual, failure = call_reader(name, fn, case)
         if failure is not None:
             return report(failure)
