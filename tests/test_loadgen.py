@@ -26,6 +26,7 @@ from minipd.serve.loadgen import RequestResult, Slo, latency_goodput, main, summ
 from minipd.serve.workload import (
     PlannedRequest,
     at_rate,
+    draw_lengths,
     prompts_workload,
     read_prompts,
     synthetic_workload,
@@ -136,6 +137,27 @@ def test_the_command_sends_the_prompts_of_a_file(fake_url, tmp_path):
     assert report["completed"] == 5
     assert report["input_lens"] == [len(texts[i % 3]) for i in range(5)]  # the fake server counts the characters
     assert report["output_lens"] == [3] * 5
+
+
+def test_lengths_can_be_normal_or_lognormal_and_uniform_ones_do_not_move():
+    rng = np.random.default_rng(4)
+    normal = draw_lengths("normal:200:40", 20000, rng)
+    assert abs(normal.mean() - 200) < 2 and abs(normal.std() - 40) < 2 and normal.min() >= 1
+    heavy = draw_lengths("lognormal:300:1.0", 20000, rng)
+    assert abs(heavy.mean() / 300 - 1) < 0.05 and abs(np.median(heavy) / (300 * math.exp(-0.5)) - 1) < 0.05
+    capped = draw_lengths("lognormal:300:1.0:512", 20000, rng)
+    assert capped.max() == 512 and capped.min() >= 1
+    assert draw_lengths("normal:3:50", 1000, rng).min() == 1  # at least one token
+    for bad in ("normal:200", "lognormal:0:1", "normal:200:-1", "normal:a:b", "lognormal:300:1:0"):
+        with pytest.raises(ValueError, match="prompt_lens"):
+            synthetic_workload(4, 1.0, bad)
+    # Fixed and uniform lengths are drawn as before: the simulator's stored studies keep their workloads.
+    rng = np.random.default_rng(10)
+    prompts, outputs = rng.integers(8, 65, 50), rng.integers(4, 17, 50)
+    planned = synthetic_workload(50, 5.0, "8:64", "4:16", seed=9)
+    assert [r.prompt_len for r in planned] == list(prompts) and [r.output_len for r in planned] == list(outputs)
+    mixed = synthetic_workload(50, 5.0, "lognormal:64:0.5", 8, seed=9)
+    assert [r.send_at for r in mixed] == [r.send_at for r in planned] and {r.output_len for r in mixed} == {8}
 
 
 # G15 and G16: the report.

@@ -323,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users back to back")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    parser.add_argument("--prompt-len", default="128", help="N or LOW:HIGH tokens (default 128)")
-    parser.add_argument("--output-len", default="32", help="N or LOW:HIGH tokens (default 32)")
+    parser.add_argument("--prompt-len", default="128", help="tokens: N, LOW:HIGH (uniform), normal:MEAN:STD[:MAX] or "
+                        "lognormal:MEAN:SIGMA[:MAX] (default 128)")
+    parser.add_argument("--output-len", default="32", help="tokens, as --prompt-len (default 32)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", default=None,
                         help="JSONL: arrival, prompt_len (or prompt), output_len per line; with --rate or "

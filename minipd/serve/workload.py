@@ -4,9 +4,10 @@ Arrivals are Poisson by default (exponential gaps at ``rate`` requests/s), or ga
 the same mean with shape ``burstiness`` (1 is Poisson; below 1 burstier, above 1 more regular: the gaps'
 coefficient of variation is ``1 / sqrt(burstiness)``, as in vLLM's benchmark), or read from a JSONL trace
 (``{"arrival": s, "prompt_len": n, "output_len": m}`` per line, or ``"prompt"`` text instead of a length).
-Lengths are fixed, uniform in a range (``"64:256"``), or taken from the trace. Prompts can also be real
-text from a prompts file (:func:`read_prompts`, :func:`prompts_workload`): one per line, or JSONL with
-``{"prompt": ...}``, chosen at random (seeded) or cycled through in file order.
+Lengths are fixed, uniform in a range (``"64:256"``), normal or lognormal (``"normal:MEAN:STD"``,
+``"lognormal:MEAN:SIGMA"``, each with an optional ``:MAX``; see :func:`draw_lengths`), or taken from the
+trace. Prompts can also be real text from a prompts file (:func:`read_prompts`, :func:`prompts_workload`): one
+per line, or JSONL with ``{"prompt": ...}``, chosen at random (seeded) or cycled through in file order.
 """
 
 from __future__ import annotations
@@ -44,6 +45,36 @@ def parse_lengths(spec: str | int, what: str) -> tuple[int, int]:
     return bounds
 
 
+#: The length distributions :func:`draw_lengths` knows besides fixed and uniform.
+SHAPES = ("normal", "lognormal")
+
+
+def draw_lengths(spec: str | int, n: int, rng: np.random.Generator, what: str = "lengths") -> np.ndarray:
+    """``n`` lengths (integers >= 1) drawn with ``rng`` from ``spec``: ``N`` or ``LOW:HIGH`` (uniform, as
+    :func:`parse_lengths`), ``normal:MEAN:STD`` or ``lognormal:MEAN:SIGMA`` (mean ``MEAN``; ``SIGMA`` the spread
+    of the log, so the median is ``MEAN * exp(-SIGMA**2 / 2)``), rounded, at least 1 and at most ``MAX`` when the
+    spec ends ``:MAX``."""
+    text = str(spec)
+    shape, _, rest = text.partition(":")
+    if shape not in SHAPES:
+        low, high = parse_lengths(spec, what)
+        return rng.integers(low, high + 1, n)
+    try:
+        numbers = [float(x) for x in rest.split(":")]
+        if len(numbers) not in (2, 3):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{what} must be {shape}:MEAN:SPREAD or {shape}:MEAN:SPREAD:MAX, got {spec!r}") from None
+    mean, spread, top = numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else math.inf
+    if not (mean > 0 and spread >= 0 and top >= 1) or not all(math.isfinite(x) for x in (mean, spread)):
+        raise ValueError(f"{what}: {shape} needs MEAN > 0, a spread >= 0 and MAX >= 1, got {spec!r}")
+    if shape == "normal":
+        values = rng.normal(mean, spread, n)
+    else:
+        values = rng.lognormal(math.log(mean) - spread ** 2 / 2, spread, n)
+    return np.clip(np.rint(values), 1, top).astype(np.int64)
+
+
 def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
     """Gaps (seconds) before each request: gamma with shape ``burstiness`` and mean ``1 / rate`` (exponential,
     i.e. Poisson arrivals, at burstiness 1); all zero at ``rate=inf`` (everything at once)."""
@@ -60,13 +91,13 @@ def arrival_gaps(num_requests: int, rate: float, burstiness: float = 1.0, seed: 
 def synthetic_workload(num_requests: int, rate: float, prompt_lens: str | int = 128, output_lens: str | int = 64,
                        burstiness: float = 1.0, seed: int = 0) -> list[PlannedRequest]:
     """``num_requests`` requests arriving at ``rate`` (gamma gaps of shape ``burstiness``), with lengths
-    drawn uniformly from ``prompt_lens`` and ``output_lens`` (see :func:`parse_lengths`)."""
+    drawn from ``prompt_lens`` and ``output_lens`` (fixed, uniform, normal or lognormal: :func:`draw_lengths`)."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    (p_lo, p_hi), (o_lo, o_hi) = parse_lengths(prompt_lens, "prompt_lens"), parse_lengths(output_lens, "output_lens")
     times = np.cumsum(arrival_gaps(num_requests, rate, burstiness, seed))
     rng = np.random.default_rng(seed + 1)  # lengths do not move when the rate does
-    prompts, outputs = rng.integers(p_lo, p_hi + 1, num_requests), rng.integers(o_lo, o_hi + 1, num_requests)
+    prompts = draw_lengths(prompt_lens, num_requests, rng, "prompt_lens")
+    outputs = draw_lengths(output_lens, num_requests, rng, "output_lens")
     start = times[0] if len(times) else 0.0  # the first request goes at once
     return [PlannedRequest(float(t - start), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
 
@@ -163,5 +194,5 @@ def prompt_ids(base: list[int], length: int, index: int) -> list[int]:
     return [base[(start + i) % len(base)] for i in range(length)]
 
 
-__all__ = ["PlannedRequest", "arrival_gaps", "at_rate", "parse_lengths", "prompt_ids", "prompts_workload",
-           "read_prompts", "synthetic_workload", "trace_rate", "trace_workload"]
+__all__ = ["SHAPES", "PlannedRequest", "arrival_gaps", "at_rate", "draw_lengths", "parse_lengths", "prompt_ids",
+           "prompts_workload", "read_prompts", "synthetic_workload", "trace_rate", "trace_workload"]
