@@ -280,6 +280,10 @@ def test_the_request_goodput_is_pluggable():
 
     assert summarize(results, slo, goodput_fn=latency_goodput(reader))["request_goodput"] == \
         pytest.approx(default["request_goodput"])
+    # The report's per-request lists are enough to recompute it (what chapter 08's checker is fed).
+    done = [i for i, error in enumerate(default["errors"]) if not error]
+    assert reader([default["ttfts"][i] * 1000 for i in done], [default["tpots"][i] * 1000 for i in done],
+                  default["duration"], 200, 50) == pytest.approx(default["request_goodput"])
     assert seen["ttfts"] == pytest.approx([100, 250, 150, 200]) and seen["slos"] == (200, 50)  # failed left out
     summarize(results, Slo(ttft_ms=200), goodput_fn=latency_goodput(reader))
     assert seen["slos"] == (200, math.inf)

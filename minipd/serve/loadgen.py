@@ -239,8 +239,10 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None,
 
     ``request_goodput`` is ``goodput_fn(results, slo, duration_s)`` (default :func:`default_request_goodput`;
     :func:`latency_goodput` adapts a function of TTFT/TPOT lists), None without ``slo``. Per request, in the
-    order of ``results``: ``intended_send_times`` and ``actual_send_times`` (seconds from the run's start;
-    their differences are the dispatch lags the ``*_dispatch_lag_ms`` keys summarise)."""
+    order of ``results``: ``input_lens``, ``output_lens``, ``errors`` ("" when it succeeded), ``ttfts``, ``tpots``,
+    ``e2els`` (seconds: what the SLOs are judged on), ``itls`` (a list each), and ``intended_send_times`` and
+    ``actual_send_times`` (seconds from the run's start; their differences are the dispatch lags the
+    ``*_dispatch_lag_ms`` keys summarise)."""
     done = [r for r in results if r.ok]
     duration = max((r.sent + r.e2el for r in done), default=0.0) - min((r.sent for r in results), default=0.0)
     duration = max(duration, 1e-9)
@@ -260,6 +262,7 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None,
         **_stats(lags, "dispatch_lag_ms"),
         "input_lens": [r.prompt_tokens for r in results], "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itls for r in results],
+        "tpots": [r.tpot for r in results], "e2els": [r.e2el for r in results],  # seconds, as Slo.met judges them
         "errors": [r.error for r in results],
         "intended_send_times": [r.intended for r in results], "actual_send_times": [r.sent for r in results],
     }
