@@ -9,13 +9,11 @@ a usage chunk whose ``prompt_tokens`` is the prompt's length (characters for tex
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import numpy as np
@@ -226,41 +224,54 @@ def test_the_goodput_search_refuses_a_closed_loop_and_scales_a_trace(tmp_path, m
 
 # G17: the schedule is kept at 50 req/s.
 
-def bare_timer_lag_p99(rate: float, n: int, seed: int) -> float:
-    """P99 (ms) of how late a bare asyncio timer fires on the same schedule, with no HTTP at all: the machine's
-    own share of any dispatch lag (on a shared, busy machine it alone can pass 5 ms)."""
-    async def probe() -> float:
-        start, lags = time.perf_counter(), []
-        for item in synthetic_workload(n, rate, seed=seed):
-            await loadgen._until(start + item.send_at)
-            lags.append(time.perf_counter() - start - item.send_at)
-        return float(np.percentile(lags, 99) * 1000)
+BARE_TIMER = textwrap.dedent('''
+    import asyncio, sys, time
+    import numpy as np
+    from minipd.serve.loadgen import _until
+    from minipd.serve.workload import synthetic_workload
 
-    return asyncio.run(probe())
+    async def probe():
+        start, lags = time.perf_counter(), []
+        for item in synthetic_workload(int(sys.argv[2]), float(sys.argv[1]), seed=int(sys.argv[3])):
+            await _until(start + item.send_at)
+            lags.append(time.perf_counter() - start - item.send_at)
+        print(np.percentile(lags, 99) * 1000)
+
+    asyncio.run(probe())
+''')
 
 
 def test_the_dispatch_lag_stays_small_at_50_requests_per_second(fake_url, tmp_path):
-    # Up to three runs of 160 requests (about 3 s each); each is followed by a bare timer on the same schedule.
-    # The bound is P99 <= 5 ms. When the machine itself cannot keep it (shared, its bare timer's P99 over 5 ms in
-    # every try: other jobs hold the cores for ms at a time), the load generator must stay within 2 ms of the bare
-    # timer, and a warning says the 5 ms bound went unchecked.
+    # Up to three runs of 160 requests (about 3 s each). Beside each, in a process of its own, a bare asyncio timer
+    # keeps the same schedule with no HTTP at all: the machine's own share of any lag at that moment. The bound is
+    # P99 <= 5 ms; on a shared machine busy enough that its bare timer's P99 passes 5 ms (other jobs holding the
+    # cores for ms at a time), the load generator must stay within 2 ms of it, and a warning says so.
     tries = []
     for attempt in range(3):
-        report = run_cli(fake_url, tmp_path, "--rate", "50", "--num-requests", "160", "--prompt-len", "4",
-                         "--output-len", "2", "--seed", str(11 + attempt))
+        seed = 11 + attempt
+        bare = subprocess.Popen([sys.executable, "-c", BARE_TIMER, "50", "160", str(seed)], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            report = run_cli(fake_url, tmp_path, "--rate", "50", "--num-requests", "160", "--prompt-len", "4",
+                             "--output-len", "2", "--seed", str(seed))
+            bare_p99 = float(bare.communicate(timeout=60)[0])
+        finally:
+            bare.kill()
+            bare.wait(timeout=10)
         assert report["completed"] == 160 and report["failed"] == 0, report["errors"][:3]
         lags = (np.array(report["actual_send_times"]) - np.array(report["intended_send_times"])) * 1000
         assert math.isclose(np.percentile(lags, 99), report["p99_dispatch_lag_ms"], rel_tol=1e-9)
         assert math.isclose(np.median(lags), report["median_dispatch_lag_ms"], rel_tol=1e-9)
         assert lags.min() >= 0  # never early
-        tries.append((report["p99_dispatch_lag_ms"], bare_timer_lag_p99(50, 160, 11 + attempt)))
-        if tries[-1][0] <= 5.0:
+        p99 = report["p99_dispatch_lag_ms"]
+        tries.append((round(p99, 2), round(bare_p99, 2)))
+        if p99 <= 5.0:
             return
-    message = f"dispatch lag P99 (ms) per run, with a bare timer's: {tries}"
-    assert all(bare > 5.0 for _, bare in tries), message
-    assert min(p99 - bare for p99, bare in tries) <= 2.0, message
-    warnings.warn(f"the 5 ms dispatch-lag bound went unchecked: this machine's own timers lag more ({message})",
-                  stacklevel=1)
+        if bare_p99 > 5.0 and p99 <= bare_p99 + 2.0:
+            warnings.warn(f"the 5 ms dispatch-lag bound went unchecked: this machine's own timers lag more "
+                          f"(P99 ms, load generator and bare timer, per run: {tries})", stacklevel=1)
+            return
+    raise AssertionError(f"dispatch lag P99 (ms) per run, with a bare timer's beside it: {tries}")
 
 
 # G13: a pluggable request goodput.
