@@ -14,6 +14,7 @@ the server's metrics, arrival schedules, and shutdown on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import math
 import os
@@ -28,10 +29,10 @@ import httpx
 import numpy as np
 import pytest
 from pd_helpers import needs_nixl, wait_until_blocks_free
-from prometheus_client.parser import text_string_to_metric_families
-from serve_helpers import ROOT, ServerProcess, keep_states, serving
+from serve_helpers import ROOT, ServerProcess, keep_states, metric_values, serving
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
+from minipd.pd.messages import Outputs
 from minipd.serve.workload import arrival_gaps, synthetic_workload, trace_workload
 
 N, DROPPED = 200, 50
@@ -46,12 +47,18 @@ def reference():
     prompts = [ids[(i * 7) % 60:(i * 7) % 60 + 3 + (i * 13) % 50] for i in range(N)]
     lengths = [8 + (i * 5) % 24 for i in range(N)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    return prompts, lengths, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return prompts, lengths, [o.token_ids for o in outputs], [o.text for o in outputs]
 
 
-def run_storm(server, processor, reference, tmp_path) -> None:
-    """The storm's clients in a process of their own (tests/storm_client.py); the checks on the server's side."""
-    prompts, lengths, expected = reference
+def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=None) -> None:
+    """The storm's clients in a process of their own (tests/storm_client.py); the checks on the server's side.
+
+    ``blocks_in_use()`` says how many KV blocks requests still hold (asked right after the storm, while the
+    server runs); ``made_at``, when given, has per request when its engine made each of its tokens (a
+    disaggregated engine's workers: also those made after the front end had aborted the request, which the
+    front end drops)."""
+    prompts, lengths, expected, expected_text = reference
     rng = random.Random(0)
     dropped = set(rng.sample(range(N), DROPPED))
     drops = [rng.randint(1, lengths[i] - 4) if i in dropped else 0 for i in range(N)]
@@ -77,51 +84,97 @@ def run_storm(server, processor, reference, tmp_path) -> None:
         probing.clear()
         watch.result(timeout=5)
     assert clients.returncode == 0, clients.stderr[-3000:]
+    # The hung-up requests' blocks came back at once: asked for right after the storm, with the server still
+    # running (a disaggregated engine's lease, longer than this wait, cannot be what frees them).
+    deadline = time.monotonic() + 2.0
+    while (held := blocks_in_use()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held == 0, f"{held} KV blocks still held 2 s after the storm"
     result = json.loads(out.read_text())
     ids = {int(k): v for k, v in result["ids"].items()}
+    texts = {int(k): v for k, v in result["text"].items()}
     dropped_at = {int(k): v for k, v in result["dropped_at"].items()}
     assert set(ids) == set(range(N)) and set(dropped_at) == dropped
     deadline = time.monotonic() + 10  # the last aborts are applied by the engine's thread
     while time.monotonic() < deadline and any(not s.finished for s in states.values()):
         time.sleep(0.02)
+    worst, made_after = 0, []
     for i in range(N):
         state = states[ids[i]]
         if i in dropped:
+            # Tokens after the disconnect: those the front end took in after it and, with workers, those the
+            # workers made after it by their own step clocks (a decode worker steps on until the abort reaches
+            # it; what it makes then never reaches the request's state).
             after = sum(t > dropped_at[i] for t in state.metrics.token_times)
-            assert after <= 2, f"request {i} made {after} tokens after its client hung up"
+            assert after <= 2, f"request {i} got {after} tokens after its client hung up"
+            if made_at is not None:
+                after = sum(t > dropped_at[i] for t in made_at.get(ids[i], []))
+                made_after.append(after)
+            worst = max(worst, after)
             assert state.finish_reason == "abort" or len(state.token_ids) == lengths[i], i
         else:
             assert state.token_ids == expected[i], f"request {i}"
+            # ... and the client received exactly that: the stream's texts joined, then [DONE].
+            assert texts[i] == expected_text[i] and result["done"].get(str(i)), f"request {i} as received"
+    counts = sorted(collections.Counter(made_after).items())
+    print(f"most tokens after a hang-up: {worst}; workers' counts (tokens: hang-ups): {counts}")
+    # The workers' own count: the abort reaches a decode worker through the server's event loop, the engine's
+    # thread (between two waits for the workers' messages) and a socket, and the worker steps on meanwhile.
+    # Measured on the project's two shared cores, nearly every one made <= 1 token after its hang-up, and one
+    # or two per storm made 3-5, when the loaded machine stalled the server (its loop lag rose with them).
+    assert sum(n > 2 for n in made_after) <= 2, f"workers' tokens after a hang-up: {counts}"
     # Most are aborted; a few had every token made, and on the wire, before their client read far enough to
     # hang up (streams run ahead of a busy client), and finish: each was checked above.
     assert sum(states[ids[i]].finish_reason == "abort" for i in dropped) >= DROPPED // 2
     lags.sort()
     p99 = lags[int(0.99 * (len(lags) - 1))]
     assert p99 <= 0.020, f"the server's event loop lagged {p99 * 1000:.1f} ms at P99"
+    # The server's metrics tell the same story (scraped from this engine, colocated or disaggregated).
+    metrics = metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    label = (("model_name", "tiny-py"),)
+    ours = [states[ids[i]] for i in range(N)]
+    aborted = sum(s.finish_reason == "abort" for s in ours)
+    assert metrics[("vllm:request_success_total", (("finished_reason", "abort"), *label))] == aborted
+    assert metrics[("vllm:request_success_total", (("finished_reason", "length"), *label))] == N - aborted
+    assert metrics[("vllm:prompt_tokens_total", label)] == sum(len(p) for p in prompts)
+    assert metrics[("vllm:generation_tokens_total", label)] == sum(len(s.token_ids) for s in ours)
+    assert metrics[("vllm:num_requests_running", label)] == 0 and metrics[("vllm:num_requests_waiting", label)] == 0
+    assert metrics[("vllm:kv_cache_usage_perc", label)] == 0
+    # (Latencies are recorded for the requests that ran to their end; an aborted request's are not.)
+    assert metrics[("vllm:time_to_first_token_seconds_count", label)] == N - aborted
+    assert metrics[("vllm:e2e_request_latency_seconds_count", label)] == N - aborted
 
 
 def test_clients_that_hang_up_stop_their_requests_colocated(reference, tmp_path):
     llm = LLM("tiny-py", num_kv_blocks=1024)
     with serving(llm) as server:
-        run_storm(server, llm.engine.processor, reference, tmp_path)
+        run_storm(server, llm.engine.processor, reference, tmp_path,
+                  blocks_in_use=lambda: llm.engine.block_manager.num_used_blocks)
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
 
 
 @needs_nixl
 def test_clients_that_hang_up_stop_their_requests_disaggregated(reference, tmp_path):
-    with DisaggregatedLLM("tiny-py", num_kv_blocks=512, kv_lease_s=10, start_timeout=120) as pd:
+    # A lease far longer than the 2 s the storm's checks wait for the blocks: only the aborts can free them.
+    with DisaggregatedLLM("tiny-py", num_kv_blocks=512, kv_lease_s=60, start_timeout=120) as pd:
+        made_at: dict[str, list[float]] = {}
+        on_message = pd.core._on_message
+
+        def recording(message) -> None:  # (the engine's thread) every token any worker reports, when it was made
+            if isinstance(message, Outputs):
+                for out in message.outputs.outputs:
+                    made_at.setdefault(out.request_id, []).extend([message.outputs.timestamp] * len(out.new_token_ids))
+            on_message(message)
+
+        pd.core._on_message = recording
+
+        def blocks_in_use() -> int:
+            return sum(s["used_blocks"] for s in pd.worker_stats().values())
+
         with serving(pd) as server:
-            run_storm(server, pd.processor, reference, tmp_path)
+            run_storm(server, pd.processor, reference, tmp_path, blocks_in_use, made_at=made_at)
         assert not pd.has_unfinished_requests()
-        wait_until_blocks_free(pd)  # every worker let go of every request's blocks
-
-
-def metric_values(text: str) -> dict[tuple[str, tuple], float]:
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return values
+        wait_until_blocks_free(pd, timeout=2)  # every worker let go of every request's blocks
 
 
 def test_the_load_generator_reconciles_with_the_servers_metrics(tmp_path):
@@ -219,16 +272,28 @@ def stream_until_cut(url: str, max_tokens: int) -> dict:
     return result
 
 
-@pytest.mark.parametrize("mode", ["colocated", pytest.param("disaggregated", marks=needs_nixl)])
-def test_sigterm_drains_then_leaves_nothing_behind(mode):
-    args = ["--grace", "1.5", "--option", "num_kv_blocks=256"]
+@pytest.mark.parametrize("mode, grace", [
+    ("colocated", None),
+    pytest.param("disaggregated", 1.5, marks=needs_nixl),
+    # Measured on the project's two shared cores: the grace (3 s), then 2.7-4 s to stop the engine's thread and
+    # its two worker processes, then ~2 s until the interpreter is gone (8-9.6 s in all). Not met yet.
+    pytest.param("disaggregated", None, marks=[needs_nixl, pytest.mark.xfail(
+        reason="a disaggregated server takes 8-10 s to exit on SIGTERM with the default 3 s grace", strict=False)]),
+], ids=["colocated-default-grace", "disaggregated-grace-1.5s", "disaggregated-default-grace"])
+def test_sigterm_drains_then_leaves_nothing_behind(mode, grace):
+    from minipd.serve.server import GRACE_S
+
+    args = ["--option", "num_kv_blocks=256"] + ([] if grace is None else ["--grace", str(grace)])
     if mode == "disaggregated":
         args += ["--prefill-workers", "1", "--decode-workers", "1", "--option", "kv_lease_s=10"]
     with ServerProcess(*args) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         short = stream_until_cut(server.url, 40)  # finishes within the grace period
-        long = stream_until_cut(server.url, 1000)  # does not
-        while short["chunks"] < 2 or long["chunks"] < 2:
+        # These do not (three at once: each makes its 1000 tokens more slowly than alone, > 4 s here).
+        longs = [stream_until_cut(server.url, 1000) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while short["chunks"] < 2 or any(long["chunks"] < 2 for long in longs):
+            assert time.monotonic() < deadline, f"the streams did not start in 60 s: {short}, {longs}, {server.lines}"
             time.sleep(0.01)
         children = server.children()
         assert (len(children) >= 2) == (mode == "disaggregated"), children  # the workers, when there are some
@@ -236,12 +301,13 @@ def test_sigterm_drains_then_leaves_nothing_behind(mode):
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=10)
         took = time.monotonic() - start
-        short["thread"].join(5)
-        long["thread"].join(5)
-        assert took <= 5.0, f"SIGTERM took {took:.1f} s"
+        for stream in (short, *longs):
+            stream["thread"].join(5)
+        assert took <= 5.0, f"SIGTERM took {took:.1f} s (grace {grace or GRACE_S} s)"
         assert server.proc.returncode == 0, server.lines
         assert short["done"] and short["chunks"] >= 40  # drained: it finished
-        assert not long["done"]  # cut at the grace period
+        assert not any(long["done"] for long in longs), longs  # cut at the grace period
+        assert took >= (grace or GRACE_S) - 0.2, took  # ... and not before it
         assert "minipd: stopped" in server.lines[-1]
         deadline = time.monotonic() + 3
         while server.children() and time.monotonic() < deadline:
