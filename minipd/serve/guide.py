@@ -25,6 +25,7 @@ curve's goodput, which is only the measured engine's (the notebook's: tiny-py on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from minipd.sim.costs import H100_SXM, DeviceSpec, count_parameters, kv_bytes_per_token, preset
@@ -146,6 +147,7 @@ class SimulatedGoodput:
         return "PD split" if self.split > self.colocated else "colocated"
 
 
+@functools.lru_cache(maxsize=256)  # deterministic: the explorer's sliders come back to values already simulated
 def simulate_goodput(model: str, prompt_tokens: int, output_tokens: int, ttft_slo_ms: float = 500.0,
                      tpot_slo_ms: float = 50.0, device: DeviceSpec = H100_SXM, device_memory_gb: float | None = None,
                      num_requests: int = 16, duration_s: float = 1.0, rel_tol: float = 0.2) -> SimulatedGoodput | None:
