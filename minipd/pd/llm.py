@@ -44,6 +44,7 @@ from minipd.models.registry import resolve_model
 from minipd.outputs import StreamDelta
 from minipd.pd.cluster import KV_TRANSFERS, ClusterCore
 from minipd.pd.processes import Transport, WorkerError, WorkerGroup
+from minipd.pd.routing import Router
 from minipd.pd.transport import TRANSPORTS, nixl_available
 from minipd.sampling_params import SamplingParams, check_seed
 from minipd.tokenizer import Tokenizer
@@ -86,6 +87,8 @@ class DisaggregatedLLM(LLMBase):
             Workers on other machines need the same secret. Spawned workers get a fresh random key instead.
         heartbeat_timeout: a worker silent this long is taken for dead and fenced (it reports at least
             every second while idle; a step longer than this looks like a death).
+        router: the routing and backpressure policy, a :class:`~minipd.pd.routing.Router` (None: the
+            default one: prefills to the least busy worker, decodes to the most free KV blocks).
         **llm_options: each worker's engine options, as ``LLM`` takes them (``max_model_len``, ``device``, and
             :class:`~minipd.engine.config.EngineConfig` fields, flat or by group); each worker builds its core with
             :func:`~minipd.engine.factory.build_core`.
@@ -96,7 +99,8 @@ class DisaggregatedLLM(LLMBase):
                  kv_transfer_dtype: str | None = None, kv_lease_s: float = 30.0,
                  threads_per_worker: int | None = 1, seed: int | None = None, start_timeout: float = 180.0,
                  listen: str | None = None, heartbeat_timeout: float = 10.0,
-                 secret: str | bytes | os.PathLike | None = None, **llm_options: Any) -> None:
+                 secret: str | bytes | os.PathLike | None = None, router: Router | None = None,
+                 **llm_options: Any) -> None:
         self._closed = True  # until the workers are up: shutdown() and __del__ have nothing to do
         for name, value, least in (("num_prefill_workers", num_prefill_workers, 1),
                                    ("num_decode_workers", num_decode_workers, 0),
@@ -109,6 +113,8 @@ class DisaggregatedLLM(LLMBase):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > least:
                 raise ParameterError(name, f"{name} must be a number of seconds > {least}, got {value!r}")
         seed = check_seed("seed", seed)
+        if router is not None and not isinstance(router, Router):
+            raise ParameterError("router", f"router must be a minipd.pd.Router or None, got {type(router).__name__}")
         llm_options = EngineConfig.flatten(llm_options)  # (engine options given by group read as flat ones)
         if kv_transport is None:
             kv_transport = "nixl" if nixl_available() is None else "torch"
@@ -170,7 +176,8 @@ class DisaggregatedLLM(LLMBase):
             self.workers.start(str(folder), num_prefill_workers, num_decode_workers, kv_lease_s, threads_per_worker,
                                start_timeout, llm_options, transport)
         #: The engine core: the cluster of workers behind the core protocol.
-        self.core = ClusterCore(self.workers, self.block_size, self.max_model_len, kv_transfer, float(kv_lease_s))
+        self.core = ClusterCore(self.workers, self.block_size, self.max_model_len, kv_transfer, float(kv_lease_s),
+                                router=router)
         #: The front end, as ``LLM.engine``: add_request / step / abort over the cluster.
         self.engine = FrontEnd(self.core, self.tokenizer, self.max_model_len, self.eos_token_ids,
                                self.config.vocab_size, seed)
