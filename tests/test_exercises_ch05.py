@@ -1,12 +1,18 @@
 """Chapter 05 checkers against planted bugs (the three states of every checker: test_exercise_states.py).
 
-The references also agree with minipd itself: the KV bytes per token with ``minipd.sim.costs``, and the
-bytes per request with what ``DisaggregatedLLM`` measures (when NIXL is installed).
+The formula checkers fail bugs on fixed cases. The router checkers fail bugs by what a running cluster
+(one prefill, two decode workers) did with them: a decode sent to the fuller worker, a prompt admitted
+that should have waited in the front end, a cluster that stalled with every prompt held back. Each of
+those tests starts a cluster (tens of seconds on two shared cores). The references also agree with
+minipd itself: the KV bytes per token with ``minipd.sim.costs``, the bytes per request with what
+``DisaggregatedLLM`` measures (when NIXL is installed), and the router's two rules with
+:class:`minipd.pd.routing.Router`.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +20,7 @@ import pytest
 
 from minipd.exercises import ch05
 from minipd.exercises.checking import CheckResult
+from minipd.pd.routing import Router
 from minipd.pd.transport import nixl_available
 
 
@@ -54,41 +61,42 @@ def ready_perfect_overlap(prefill_s, transfer_s, num_layers, mode):
     return max(prefill_s, transfer_s)
 
 
-def route_fewest_free(free_blocks, request_tokens, block_size=16):
-    """Picks the fullest worker."""
-    free, out = list(free_blocks), []
-    for tokens in request_tokens:
-        w = min(range(len(free)), key=lambda i: free[i])
-        free[w] -= -(-tokens // block_size)
-        out.append(w)
-    return out
-
-
-def route_no_reservation(free_blocks, request_tokens, block_size=16):
-    """Does not count the blocks of requests already routed."""
-    return [max(range(len(free_blocks)), key=lambda i: free_blocks[i]) for _ in request_tokens]
-
-
-def route_last_on_ties(free_blocks, request_tokens, block_size=16):
-    """Breaks ties towards the highest index."""
-    free, out = list(free_blocks), []
-    for tokens in request_tokens:
-        w = max(range(len(free)), key=lambda i: (free[i], i))
-        free[w] -= -(-tokens // block_size)
-        out.append(w)
-    return out
-
-
 BUGS = [
     ("kv_transfer_bytes", bytes_exact_tokens),
     ("kv_transfer_bytes", bytes_k_only),
     ("kv_transfer_bytes", bytes_mla_as_mha),
     ("kv_ready_time", ready_no_overlap),
     ("kv_ready_time", ready_perfect_overlap),
-    ("route_decode", route_fewest_free),
-    ("route_decode", route_no_reservation),
-    ("route_decode", route_last_on_ties),
 ]
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+def decode_fewest_requests(workers):
+    """The prefill's rule (the least busy worker) for a decode: blind to how much memory each request holds."""
+    return min(workers, key=lambda w: w.num_requests)
+
+
+def decode_fewest_free(workers):
+    """Picks the fullest worker."""
+    return min(workers, key=lambda w: w.free_blocks)
+
+
+def room_always(decoders, on_their_way, needed):
+    """No backpressure: every prompt is prefilled at once."""
+    return True
+
+
+def room_ignores_prefills_on_their_way(decoders, on_their_way, needed):
+    """Looks at the free blocks only, as if the prompts already prefilling needed no room."""
+    return not decoders or max(w.free_blocks for w in decoders) >= needed
+
+
+def room_never(decoders, on_their_way, needed):
+    """Holds every prompt back: nothing ever runs."""
+    return False
 
 
 @pytest.mark.parametrize(("name", "bug"), BUGS, ids=[b.__name__ for _, b in BUGS])
@@ -106,12 +114,6 @@ def test_fail_message_names_the_case_and_values(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out.strip()
     assert out.startswith("FAIL kv_transfer_bytes: max |diff| ")
     assert "first mismatch in case 0 (tiny-py, 8 tokens (one block, fp32)): got 24576, expected 49152" in out
-
-
-def test_route_fail_points_at_the_first_differing_request(capsys: pytest.CaptureFixture[str]) -> None:
-    result = ch05.check_route_decode(route_no_reservation)
-    assert result.first_mismatch == 1  # the second request of "alternating as blocks are reserved"
-    assert "at request 1: got worker 0, expected 1" in capsys.readouterr().out
 
 
 # --- the references agree with minipd ------------------------------------------------------------
@@ -154,3 +156,74 @@ def test_the_layerwise_figure_agrees_with_the_exercise_reference():
         assert 0.0 <= plan["hidden_share"] <= 1.0
     ax = draw_layerwise("llama-3-8b", 4096, "400G IB", 50e9)
     assert "llama-3-8b, 4096 tokens, 400G IB" in ax.get_title() and len(ax.patches) == 2 * 32
+
+
+# --- the router exercises: plugged into a running cluster -----------------------------------------
+
+
+def test_router_references_make_the_engines_choices() -> None:
+    draw = random.Random(5)
+    router = Router()
+    for _ in range(500):
+        views = [ch05.WorkerView(f"decode{i}", draw.randrange(0, 40), draw.randrange(0, 5))
+                 for i in range(draw.randrange(1, 4))]
+        on_their_way = [draw.randrange(1, 8) for _ in range(draw.randrange(0, 6))]
+        needed = draw.randrange(1, 12)
+        assert ch05.reference_decode_worker(views) is router.decode_worker(views)
+        assert ch05.reference_decode_has_room(views, on_their_way, needed) == \
+            router.decode_has_room(views, on_their_way, needed)
+    assert ch05.reference_decode_has_room([], [5], 100)  # no decode worker: the prefill workers decode
+
+
+def test_reader_router_records_decisions_and_keeps_the_cluster_sound() -> None:
+    """Without processes: what the cluster gets back from a ReaderRouter, and what it keeps for the checker."""
+    loads = [ch05.WorkerView("decode0", 5, 0), ch05.WorkerView("decode1", 9, 2)]
+    router = ch05.ReaderRouter(decode_worker=decode_fewest_free, decode_has_room=room_always)
+    assert router.decode_worker(loads) is loads[0]  # the reader's choice is what the cluster uses
+    assert router.decode_has_room(loads, [8], 6) is True
+    assert router.decode_has_room(loads, [8], 6) is True  # the same question again: recorded once
+    first, second = router.decisions
+    assert (first.answer, first.expected, first.right) == ("decode0", "decode1", False)
+    assert (second.answer, second.expected, second.right, second.on_their_way) == (True, False, False, (8,))
+    assert router.failure is None
+    # An answer the cluster cannot use is kept for the checker, and the reference's is used instead.
+    broken = ch05.ReaderRouter(decode_worker=lambda ws: ws[0].name, decode_has_room=lambda d, o, n: max(o) > 0)
+    assert broken.decode_has_room(loads, [], 3) is True and broken.failure[0] == "fail"
+    assert "ValueError" in broken.failure[1]
+    assert broken.decode_worker(loads) is loads[1]
+    untouched = ch05.ReaderRouter(decode_worker=stub)
+    assert untouched.decode_worker(loads) is loads[1] and untouched.failure == ("todo", "")
+
+
+@pytest.mark.parametrize("name", ["decode_worker", "decode_has_room"])
+def test_router_checkers_start_no_cluster_for_a_stub_or_a_broken_function(name, monkeypatch) -> None:
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(ch05, "run_cluster", no_cluster)
+    check = checker(name)
+    assert check(stub).status == "TODO"
+    for bad in (lambda *a: None, lambda *a: "decode0", lambda *a: 1 / 0, 3):
+        result = check(bad)
+        assert result.status == "FAIL" and ("before the cluster" in result.message or "function" in result.message)
+
+
+ENGINE_BUGS = [
+    ("decode_worker", decode_fewest_requests, "the rule sends it to"),
+    ("decode_worker", decode_fewest_free, "the rule sends it to"),
+    ("decode_has_room", room_always, "the engine held back 0 of 16 prompts"),
+    ("decode_has_room", room_ignores_prefills_on_their_way, "so the engine sent the prompt to prefill"),
+    ("decode_has_room", room_never, "the cluster stalled: 16 prompts held back"),
+]
+
+
+@pytest.mark.parametrize(("name", "bug", "what_the_engine_did"), ENGINE_BUGS,
+                         ids=[b.__name__ for _, b, _ in ENGINE_BUGS])
+def test_router_bugs_fail_by_what_the_cluster_did(name, bug, what_the_engine_did, capsys) -> None:
+    result = checker(name)(bug)
+    out = capsys.readouterr().out
+    assert result.status == "FAIL", out
+    assert result.max_diff is not None and result.max_diff > 0 and result.first_mismatch is not None
+    assert out.startswith(f"FAIL {name}: max |diff| ") and "first mismatch at" in out
+    assert what_the_engine_did in out
+
