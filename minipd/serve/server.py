@@ -14,6 +14,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -213,8 +214,9 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: None)
         asyncio.run(serve_app(app, args.host, args.port, args.grace, ready))
     finally:
+        began = time.perf_counter()
         engine.shutdown()
-        print("minipd: stopped", flush=True)
+        print(f"minipd: stopped (the engine took {time.perf_counter() - began:.1f} s to shut down)", flush=True)
     return 0
 
 
