@@ -45,7 +45,8 @@ def plot_simulated_goodput(examples: dict[str, SimulatedGoodput], recommended: d
         bars = ax.bar(x + offset, values, 0.4, color=color,
                       label={"colocated": "one colocated instance", "split": "1 prefill + 1 decode"}[kind])
         ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize="small")
-    names = [k.replace(", ", "\n") + f" (tp={examples[k].tp})" + (f"\n→ {recommended[k]}" if recommended else "") for k in labels]
+    names = [k.replace(", ", "\n") + f" (tp={examples[k].tp})" + (f"\n→ {recommended[k]}" if recommended else "")
+             for k in labels]
     ax.set_xticks(x, names, fontsize="small")
     ax.set_yscale("log")
     ax.set_ylabel("goodput per GPU (requests/s)")
