@@ -275,10 +275,8 @@ def stream_until_cut(url: str, max_tokens: int) -> dict:
 @pytest.mark.parametrize("mode, grace", [
     ("colocated", None),
     pytest.param("disaggregated", 1.5, marks=needs_nixl),
-    # Measured on the project's two shared cores: the grace (3 s), then 1-4 s to stop the engine's thread and
-    # its two worker processes, then 1.3-2.3 s until the interpreter is gone (5.5-9.6 s in all). Not met yet.
-    pytest.param("disaggregated", None, marks=[needs_nixl, pytest.mark.xfail(
-        reason="a disaggregated server took 5.5-9.6 s to exit on SIGTERM with the default 3 s grace", strict=False)]),
+    # (Workers that waited for the interpreter's teardown after serving took 2-3 s more here: 5.5-9.6 s in all.)
+    pytest.param("disaggregated", None, marks=needs_nixl),
 ], ids=["colocated-default-grace", "disaggregated-grace-1.5s", "disaggregated-default-grace"])
 def test_sigterm_drains_then_leaves_nothing_behind(mode, grace):
     from minipd.serve.server import GRACE_S
@@ -301,6 +299,7 @@ def test_sigterm_drains_then_leaves_nothing_behind(mode, grace):
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=10)
         took = time.monotonic() - start
+        print(f"SIGTERM ({mode}, grace {grace or GRACE_S} s): gone in {took:.2f} s")
         for stream in (short, *longs):
             stream["thread"].join(5)
         assert took <= 5.0, f"SIGTERM took {took:.1f} s (grace {grace or GRACE_S} s)"

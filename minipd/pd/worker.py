@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -81,6 +82,11 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()
+    # Served and cleaned up: what is left (the model, the K/V pool, gloo's and UCX's state) goes back with
+    # the process. The interpreter's own teardown of it took seconds, which a server's SIGTERM waited on.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_launched_worker(connect: str, role: str | None = None, host: str = "127.0.0.1",
