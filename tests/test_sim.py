@@ -127,6 +127,19 @@ def test_a_full_decode_pool_holds_new_prompts_back_before_their_prefill():
     assert result.instances["prefill0"].busy_time < result.instances["decode0"].busy_time
 
 
+def test_a_prompt_held_back_behind_one_the_decode_pool_refuses_still_runs():
+    """A request dropped at the decode instance (too big for its pool) frees the room it was counted for: the
+    prompt held back behind it is admitted then, though no decode step comes to look (it hung before)."""
+    spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-6, 0),
+                                                          InstanceConfig(num_kv_blocks=100, block_size=16)),
+                                             InstanceSpec("decode", Linear(0.01, 0, 1e-4),
+                                                          InstanceConfig(num_kv_blocks=8, block_size=16)), 100.0, None)
+    result = simulate(spec, [PlannedRequest(0.0, 200, 4), PlannedRequest(0.001, 50, 4)])
+    big, small = result.requests
+    assert big.dropped and "decode0" in big.dropped
+    assert not small.dropped and len(small.token_times) == 4
+
+
 def test_the_simulator_routes_with_the_real_clusters_router_or_one_given():
     """Decode goes where the most blocks are free (the real Router); a Router subclass changes it."""
     from minipd.pd.routing import Router

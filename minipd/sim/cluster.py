@@ -357,6 +357,10 @@ class _Cluster:
         sim.decode_instance = decode.name
         if not self._admit(sim, decode, self._request(sim, decode, "decode")):
             source.release_kv(str(sim.index))
+            if self.backlog:
+                # Dropped at the decode instance, it is no longer on its way there: room for a held prompt,
+                # with perhaps no decode step ever coming to look again.
+                self._admit_backlog()
 
     def _on_waiting_for_kv(self, decode: SimInstance, request: Request) -> None:
         self.env.process(self._transfer(decode, request.request_id))

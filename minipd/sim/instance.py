@@ -24,7 +24,6 @@ from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.stats import StepWork
 from minipd.engine.step_core import StepCore, StepResult
 from minipd.kv.block_manager import BlockManager
-from minipd.pd.routing import blocks_for
 
 #: The token every simulated row samples: requests run with ``ignore_eos`` and end by length.
 SIM_TOKEN = 0
@@ -165,7 +164,7 @@ class SimInstance:
         """Free KV blocks less those the requests queued here will take when admitted (as the real cluster
         counts blocks promised to requests on their way to a worker)."""
         bm = self.core.block_manager
-        promised = sum(blocks_for(r.num_tokens, bm.block_size) for r in self.core.scheduler.waiting
+        promised = sum(-(-r.num_tokens // bm.block_size) for r in self.core.scheduler.waiting
                        if not r.blocks.block_table)
         return bm.num_free_blocks - promised
 
