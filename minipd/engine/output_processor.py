@@ -12,6 +12,7 @@ the start of a stop string; it is held back until it cannot, and dropped if it d
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from minipd.engine.stats import RequestCounters
 from minipd.outputs import RequestMetrics, RequestOutput, StreamDelta
 from minipd.sampling_params import SamplingParams
 from minipd.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("minipd")
 
 #: The request metrics a disaggregated cluster reports with outputs (``EngineCoreOutput.route``).
 ROUTE_FIELDS = frozenset({"prefill_worker", "decode_worker", "kv_transfer_bytes", "kv_transfer_start",
@@ -120,6 +123,9 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         #: Prompt and generated tokens, and finished requests by reason, over every request served.
         self.counters = RequestCounters()
+        #: Called as ``callback(metrics, finish_reason)`` when a request ends, whoever reads its output (a
+        #: server's latency histograms: a client that left early must not drop a finished request's record).
+        self.finished_callbacks: list[Callable[[RequestMetrics, str], None]] = []
         #: Outputs that wait to be applied, by request and in order, each with its step's timestamp and whether
         #: it failed already: the first failed, those after it wait behind it. Tried again next call.
         self._retry: dict[str, list[tuple[EngineCoreOutput, float, bool]]] = {}
@@ -196,6 +202,11 @@ class OutputProcessor:
                 del self.states[out.request_id]
                 finished = self.counters.finished
                 finished[state.finish_reason] = finished.get(state.finish_reason, 0) + 1  # type: ignore[index]
+                for callback in self.finished_callbacks:
+                    try:
+                        callback(state.metrics, state.finish_reason)  # type: ignore[arg-type]
+                    except Exception:  # an observer's fault must not cost the request its output
+                        logger.exception("a finished-request callback failed")
                 if not out.finished and out.request_id not in failed:
                     to_abort.append(out.request_id)
             deltas.append(delta)

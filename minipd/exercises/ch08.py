@@ -85,14 +85,15 @@ def _goodput_cases() -> list[Case]:
 
 def loadgen_case(report: dict, ttft_slo_ms: float = 200.0, tpot_slo_ms: float = 50.0) -> Case:
     """A case from a real load test: the JSON report of ``python -m minipd loadgen --output`` (its per-request
-    ``ttfts``, ``itls`` and ``output_lens``; failed requests left out), TPOT as the mean gap after the first
-    token."""
+    ``ttfts`` and ``tpots``, the TPOT the load generator judges its SLOs on; failed requests left out). A report
+    without ``tpots`` (older) gives TPOT as the mean gap after the first token, from ``itls`` and ``output_lens``."""
     ttfts, tpots = [], []
-    for ttft, itls, out, error in zip(report["ttfts"], report["itls"], report["output_lens"], report["errors"],
-                                      strict=True):
+    given = report.get("tpots") or [None] * len(report["ttfts"])
+    for ttft, tpot, itls, out, error in zip(report["ttfts"], given, report["itls"], report["output_lens"],
+                                            report["errors"], strict=True):
         if not error:
             ttfts.append(ttft * 1000)
-            tpots.append(sum(itls) * 1000 / (out - 1) if out > 1 else 0.0)
+            tpots.append(tpot * 1000 if tpot is not None else (sum(itls) * 1000 / (out - 1) if out > 1 else 0.0))
     rate = report.get("request_rate", "?")
     return Case(f"a load test at {rate} req/s", (ttfts, tpots, report["duration"], ttft_slo_ms, tpot_slo_ms))
 

@@ -187,9 +187,9 @@ class Api:
                 raise ApiError(str(err), param=param) from None
 
     def _finished(self, delta: StreamDelta) -> tuple[int, int]:
-        """Record a finished request's latencies; its (prompt, completion) token counts."""
+        """A finished request's (prompt, completion) token counts (its latencies are recorded by the engine's
+        side of :class:`ServerMetrics`, also when its client has gone)."""
         output = delta.output
-        self.metrics.observe(output.metrics)
         return len(output.prompt_token_ids), len(output.token_ids)
 
     async def completion(self, body: dict[str, Any], chat: bool, arrival: float) -> Response:

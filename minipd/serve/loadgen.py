@@ -215,7 +215,7 @@ GoodputFn = Callable[[Sequence[RequestResult], Slo, float], float]
 
 def default_request_goodput(results: Sequence[RequestResult], slo: Slo, duration: float) -> float:
     """vLLM's ``request_goodput``: completed requests that met every objective of ``slo``, per second of the run."""
-    return sum(r.ok and slo.met(r) for r in results) / duration
+    return sum(slo.met(r) for r in results) / duration  # (a failed request meets nothing)
 
 
 def latency_goodput(fn: Callable[[list[float], list[float], float, float, float], float]) -> GoodputFn:
@@ -247,7 +247,6 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None,
     duration = max((r.sent + r.e2el for r in done), default=0.0) - min((r.sent for r in results), default=0.0)
     duration = max(duration, 1e-9)
     inputs, outputs = sum(r.prompt_tokens for r in done), sum(r.output_tokens for r in done)
-    met = [r for r in done if slo is None or slo.met(r)]
     lags = [r.sent - r.intended for r in results]
     goodput = None if slo is None else float((goodput_fn or default_request_goodput)(results, slo, duration))
     summary: dict[str, Any] = {
@@ -256,7 +255,7 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None,
         "request_throughput": len(done) / duration, "output_throughput": outputs / duration,
         "total_token_throughput": (inputs + outputs) / duration,
         "request_goodput": goodput,
-        "slo_attainment": len(met) / len(results) if results else 0.0,
+        "slo_attainment": attainment_share(results, slo) if slo else len(done) / max(len(results), 1),
         **_stats([r.ttft for r in done], "ttft_ms"), **_stats([r.tpot for r in done if r.output_tokens > 1], "tpot_ms"),
         **_stats([x for r in done for x in r.itls], "itl_ms"), **_stats([r.e2el for r in done], "e2el_ms"),
         **_stats(lags, "dispatch_lag_ms"),
@@ -382,10 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's benchmark_serving keys (request_rate, max_concurrency, num_prompts, model_id, ...); the names this
     # report had first (rate, concurrency) are kept as aliases.
     about: dict[str, Any] = {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "minipd",
-                             "model_id": model, "burstiness": args.burstiness, "seed": args.seed}
+                             "model_id": model, "burstiness": args.burstiness, "seed": args.seed,
+                             "max_concurrency": args.concurrency, "concurrency": args.concurrency,
+                             "slo": asdict(slo) if slo else None}
     if args.search_goodput:
         best, tried = search_goodput(run_at, slo, *args.search_goodput)
-        report: dict[str, Any] = {"goodput": best, "tried": tried, "slo": asdict(slo), **about,
+        report: dict[str, Any] = {"goodput": best, "tried": tried, **about, "request_rate": None, "rate": None,
                                   "num_prompts": len(plan(args.search_goodput[0]))}
         print(f"goodput (DistServe): {best:.2f} req/s with >= 90% of requests within {asdict(slo)}")
         for rate, share in tried:
@@ -396,12 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate = trace_rate(trace)  # the trace's own
         results = run_at(rate)
         report = summarize(results, slo)
-        report.update(about, num_prompts=len(results), request_rate=rate if math.isfinite(rate) else "inf",
-                      max_concurrency=args.concurrency, rate=rate, concurrency=args.concurrency)
+        request_rate = rate if math.isfinite(rate) else "inf"  # (as vLLM writes it: JSON has no infinity)
+        report.update(about, num_prompts=len(results), request_rate=request_rate, rate=request_rate)
         print(format_summary(report))
     if args.output:
         with open(args.output, "w") as f:
-            json.dump(report, f)
+            json.dump(report, f, allow_nan=False)
     return 0
 
 

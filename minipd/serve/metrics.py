@@ -5,8 +5,9 @@ Two sources, each the truth for what it counts:
 - the engine: its front end's counters (prompt and generation tokens, finished requests by reason) and
   each step's record (requests running and waiting, KV blocks in use, prefix-cache lookups), read when
   ``/metrics`` is scraped; a disaggregated engine sums its workers' latest records;
-- the server: per request, when it ends, its queueing time, time to first token, inter-token latencies
-  and end-to-end latency, from the request's own timestamps.
+- per request, when it ends in the engine (whether or not its client is still reading), its queueing time,
+  time to first token, inter-token latencies and end-to-end latency, from the request's own timestamps: for
+  the requests that ran to their end (an aborted one's latencies describe no finished request).
 """
 
 from __future__ import annotations
@@ -129,6 +130,18 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              REQUEST_BUCKETS)
+        self._processor = llm.engine.processor
+        self._processor.finished_callbacks.append(self._on_finished)
+
+    def close(self) -> None:
+        """Stop listening to the engine (the engine may outlive this server)."""
+        self.engine.close()
+        if self._on_finished in self._processor.finished_callbacks:
+            self._processor.finished_callbacks.remove(self._on_finished)
+
+    def _on_finished(self, metrics: RequestMetrics, finish_reason: str) -> None:  # (the engine's owner thread)
+        if finish_reason != "abort":
+            self.observe(metrics)
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a finished request's latencies (those it has: an aborted one may have no token)."""

@@ -180,7 +180,7 @@ class BackgroundServer:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self.api.metrics.engine.close()
+        self.api.metrics.close()
 
     def __enter__(self) -> BackgroundServer:
         self.start()

@@ -137,8 +137,12 @@ def at_rate(planned: Sequence[PlannedRequest], rate: float) -> list[PlannedReque
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s (inf sends everything at once), got {rate!r}")
     own = trace_rate(planned)
-    scale = 0.0 if math.isinf(rate) else (1.0 if math.isinf(own) else own / rate)
-    return [replace(r, send_at=r.send_at * scale) for r in planned]
+    if math.isinf(own) and not math.isinf(rate):
+        raise ValueError("a trace whose requests all arrive at once has no rate to scale to "
+                         f"{rate!r} requests/s")
+    scale = 0.0 if math.isinf(rate) else own / rate
+    start = min((r.send_at for r in planned), default=0.0)  # (a lead-in before the first request is dropped)
+    return [replace(r, send_at=(r.send_at - start) * scale) for r in planned]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -171,7 +175,7 @@ def prompts_workload(prompts: Sequence[str] | str | Path, num_requests: int, rat
                      order: str = "random") -> list[PlannedRequest]:
     """``num_requests`` requests with real prompt text (a list, or a file for :func:`read_prompts`) sent when
     :func:`synthetic_workload` would send them (same seed, same times), output lengths drawn from
-    ``output_lens`` (see :func:`parse_lengths`). ``order``:
+    ``output_lens`` (see :func:`draw_lengths`). ``order``:
     ``"random"`` picks each prompt at random (seeded, with replacement), ``"cycle"`` takes them in order,
     starting over at the end."""
     texts = read_prompts(prompts) if isinstance(prompts, str | Path) else list(prompts)
