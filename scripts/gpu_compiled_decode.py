@@ -65,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hbm-gbps", type=float, default=4800.0,
+                        help="the device's memory bandwidth for the floor (GB/s; default an H200's 4,800)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU, to check the script")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.decode_steps < 4:
+        parser.error("--decode-steps must be at least 4 (the first two decode steps of each run are not timed)")
 
     if args.dry_run:
         config = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batches, args.decode_steps, args.rounds = [1, 4], 8, 1
     else:
         config = preset(args.model)
-        device, dtype, kernels, hbm = torch.device("cuda"), torch.bfloat16, "triton", 4.8e12
+        device, dtype, kernels, hbm = torch.device("cuda"), torch.bfloat16, "triton", args.hbm_gbps * 1e9
     model = random_model(config, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim

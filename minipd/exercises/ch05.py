@@ -224,6 +224,7 @@ class Decision:
         return self.free_of(self.answer) == self.free_of(self.expected)
 
     def free_of(self, name: str) -> int:
+        """The free blocks the worker called ``name`` had when this decision was made."""
         return next(w.free_blocks for w in self.workers if w.name == name)
 
 

@@ -119,8 +119,10 @@ def recommend(model: str, prompt_tokens: int, output_tokens: int, rate: float, t
                        f"{sim.split:.1f} requests/s per GPU, one colocated instance {sim.colocated:.1f}")
     else:
         split = prompt_tokens >= long_prompt
+        why = ("the simulator could not place this model and workload" if simulate
+               else "simulate=True decides from the simulator instead")
         reasons.append(f"prompts {'of at least' if split else 'under'} {long_prompt} tokens (the article's rule of "
-                       f"thumb; simulate=True decides from the simulator instead)")
+                       f"thumb; {why})")
     if split:
         reasons.append("long prefills stall the decode steps they share (section 5's ITL tails): split prefill and "
                        f"decode, and keep K/V in int8 (half of bf16's bytes: {kv_needed / 2e9:.1f} GB; chapter 06)")

@@ -108,7 +108,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if not stream:
         raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
     for name in options:
-        if name == "continuous_usage_stats" and options[name] not in (None, False):
+        if name == "continuous_usage_stats" and options[name] is not None and options[name] is not False:
             # vLLM's extension (usage in every chunk): not implemented here, so not accepted as if it were.
             raise ApiError("continuous_usage_stats is not supported by minipd's server (only false); ask for "
                            "include_usage to get one usage chunk at the end",

@@ -149,10 +149,11 @@ class MoEModel:
         return 2 * (self.weights_per_token + self.moe_layers * (self.num_experts - self.top_k) * self.expert_params)
 
     def decode_weight_bytes(self, batch: int, dtype_bytes: int = 2, touched: TouchedRule | None = None) -> float:
-        """Expected weight bytes one decode step of ``batch`` tokens reads, with uniform independent routing.
+        """Expected weight bytes one decode step of ``batch`` tokens reads.
 
         ``touched(num_experts, top_k, batch)`` gives the experts each MoE layer reads (by default
-        :func:`expected_experts_touched`; chapter 07 passes the reader's formula or a simulation).
+        :func:`expected_experts_touched`, uniform independent routing; chapter 07 passes the reader's formula or a
+        simulation).
         """
         experts = (touched or expected_experts_touched)(self.num_experts, self.top_k, batch)
         return dtype_bytes * (self.always_read_params + self.moe_layers * experts * self.expert_params)

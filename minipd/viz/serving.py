@@ -56,7 +56,8 @@ def plot_simulated_goodput(examples: dict[str, SimulatedGoodput], recommended: d
     return ax
 
 
-def plot_expert_sharding(model: str, device_gb: float = 80.0, weights_share: float = 0.8, ax: Any = None) -> Any:
+def plot_expert_sharding(model: str, device_gb: float = 80.0, weights_share: float = 0.8,
+                         ax: Any = None) -> tuple[Any, int | None]:
     """bf16 weights per device (GB) against the expert-parallel size: attention, embeddings and norms
     replicated on every device, the MLP parameters (the experts) divided among them; the dashed line is the
     share of a device left for weights (``weights_share × device_gb``). Returns the axes and the smallest size
