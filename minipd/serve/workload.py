@@ -177,7 +177,8 @@ def prompts_workload(prompts: Sequence[str] | str | Path, num_requests: int, rat
     :func:`synthetic_workload` would send them (same seed, same times), output lengths drawn from
     ``output_lens`` (see :func:`draw_lengths`). ``order``:
     ``"random"`` picks each prompt at random (seeded, with replacement), ``"cycle"`` takes them in order,
-    starting over at the end."""
+    starting over at the end. Each request's ``prompt_len`` is its text's length in characters (the server
+    tokenizes the text; the report's token counts come from its ``usage``)."""
     texts = read_prompts(prompts) if isinstance(prompts, str | Path) else list(prompts)
     if not texts:
         raise ValueError("no prompts to send")
