@@ -427,6 +427,20 @@ def _run_checked(name: str, router: ReaderRouter, prompts: list[list[int]], num_
     return run, None
 
 
+def _start(name: str, fn: Any, call: Callable[[], Any], valid: Callable[[Any], str], router: ReaderRouter,
+           prompts: list[list[int]], num_kv_blocks: int, where: str) -> tuple[ClusterRun | None, CheckResult | None]:
+    """Both checkers' start: refuse what is not a function, try it once on made-up loads (:func:`_probe`), then
+    run the cluster with ``router``; the run, or the reported result that ends the check."""
+    if not callable(fn):
+        return None, report(CheckResult("FAIL", name, f"expected a function, got {type(fn).__name__}"))
+    failure = _probe(name, call, valid)
+    if failure is None:
+        run, failure = _run_checked(name, router, prompts, num_kv_blocks, where)
+        if failure is None:
+            return run, None
+    return None, report(failure)
+
+
 def check_decode_worker(fn: Callable[[list[WorkerView]], WorkerView]) -> CheckResult:
     """Run a cluster whose decodes go where ``fn(workers)`` sends them, and check where they went.
 
@@ -439,19 +453,14 @@ def check_decode_worker(fn: Callable[[list[WorkerView]], WorkerView]) -> CheckRe
     """
     name = "decode_worker"
     probe = [WorkerView("decode0", 3, 1), WorkerView("decode1", 12, 4)]
-    if not callable(fn):
-        return report(CheckResult("FAIL", name, f"expected a function, got {type(fn).__name__}"))
-    failure = _probe(name, lambda: fn(list(probe)), lambda a: "" if any(a is w for w in probe) else
-                     f"returned {a!r}; expected one of the WorkerView objects it was given")
-    if failure is not None:
-        return report(failure)
     where = "in the cluster (1 prefill + 2 decode workers routing decodes with your function)"
     prompts = engine_prompts(ROUTE_PROMPT_LENS, seed=51)
     router = ReaderRouter(decode_worker=fn)
-    run, failure = _run_checked(name, router, prompts, ROUTE_KV_BLOCKS, where)
-    if failure is not None:
-        return report(failure)
-    assert run is not None
+    run, ended = _start(name, fn, lambda: fn(list(probe)), lambda a: "" if any(a is w for w in probe) else
+                        f"returned {a!r}; expected one of the WorkerView objects it was given", router, prompts,
+                        ROUTE_KV_BLOCKS, where)
+    if run is None:
+        return ended  # type: ignore[return-value]
     wrong = [(i, d) for i, d in enumerate(router.decisions) if not d.right]
     if wrong:
         index, first = wrong[0]
@@ -485,21 +494,16 @@ def check_decode_has_room(fn: Callable[[list[WorkerView], list[int], int], bool]
     """
     name = "decode_has_room"
     probe = ([WorkerView("decode0", 9, 2), WorkerView("decode1", 4, 1)], [3, 2], 5)
-    if not callable(fn):
-        return report(CheckResult("FAIL", name, f"expected a function, got {type(fn).__name__}"))
-    failure = _probe(name, lambda: fn(list(probe[0]), list(probe[1]), probe[2]),
-                     lambda a: "" if isinstance(a, bool) else
-                     f"returned {type(a).__name__} {a!r}; expected True or False")
-    if failure is not None:
-        return report(failure)
     where = (f"in the cluster (1 prefill + 2 decode workers of {ROOM_KV_BLOCKS} blocks, "
              f"{len(ROOM_PROMPT_LENS)} prompts of 3 blocks sent at once)")
     prompts = engine_prompts(ROOM_PROMPT_LENS, seed=52)
     router = ReaderRouter(decode_has_room=fn)
-    run, failure = _run_checked(name, router, prompts, ROOM_KV_BLOCKS, where)
-    if failure is not None:
-        return report(failure)
-    assert run is not None
+    run, ended = _start(name, fn, lambda: fn(list(probe[0]), list(probe[1]), probe[2]),
+                        lambda a: "" if isinstance(a, bool) else
+                        f"returned {type(a).__name__} {a!r}; expected True or False", router, prompts,
+                        ROOM_KV_BLOCKS, where)
+    if run is None:
+        return ended  # type: ignore[return-value]
     wrong = [(i, d) for i, d in enumerate(router.decisions) if not d.right]
     if wrong:
         index, first = wrong[0]
