@@ -65,6 +65,24 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"prompts": prompts, "lengths": lengths, "drops": drops}))
     states = keep_states(processor)
+    # When the server handed each abort to the engine (it saw the hang-up and closed the request's stream).
+    engine = server.api.engine
+    aborted_at: dict[str, float] = {}
+
+    class Noting:  # the engine's command queue, noting when each abort is put in it
+        def __init__(self, queue) -> None:
+            self.queue = queue
+
+        def put(self, command, *args, **kwargs) -> None:
+            if command[0] == "abort":
+                aborted_at.setdefault(command[1], time.perf_counter())
+            self.queue.put(command, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.queue, name)
+
+    commands = engine._commands
+    engine._commands = Noting(commands)
     lags: list[float] = []
     probing = threading.Event()
     probing.set()
@@ -83,6 +101,7 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     finally:
         probing.clear()
         watch.result(timeout=5)
+        engine._commands = commands
     assert clients.returncode == 0, clients.stderr[-3000:]
     # The hung-up requests' blocks came back at once: asked for right after the storm, with the server still
     # running (a disaggregated engine's lease, longer than this wait, cannot be what frees them).
@@ -98,13 +117,18 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     deadline = time.monotonic() + 10  # the last aborts are applied by the engine's thread
     while time.monotonic() < deadline and any(not s.finished for s in states.values()):
         time.sleep(0.02)
-    worst, made_after, taken_after = 0, [], []
+    worst, made_after, taken_after, most_late = 0, [], [], 0
     for i in range(N):
         state = states[ids[i]]
         if i in dropped:
             # Tokens after the disconnect: those the front end took in after it and, with workers, those the
             # workers made after it by their own step clocks (a decode worker steps on until the abort reaches
             # it; what it makes then never reaches the request's state).
+            # The abort lands within two engine steps of the server handing it over: at most two tokens after.
+            if ids[i] in aborted_at:
+                late = sum(t > aborted_at[ids[i]] for t in state.metrics.token_times)
+                most_late = max(most_late, late)
+                assert late <= 2, f"request {i} got {late} tokens after the server aborted it"
             after = sum(t > dropped_at[i] for t in state.metrics.token_times)
             taken_after.append(after)
             assert after <= 4, f"request {i} got {after} tokens after its client hung up"
@@ -117,11 +141,13 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
             assert state.token_ids == expected[i], f"request {i}"
             # ... and the client received exactly that: the stream's texts joined, then [DONE].
             assert texts[i] == expected_text[i] and result["done"].get(str(i)), f"request {i} as received"
-    # Counted from the client's hang-up, so the time the server's loop takes to see it counts too: nearly every
+    # Counted from the client's hang-up, the time the server's loop takes to see it counts too: nearly every
     # one took in <= 2 tokens after it; on the shared two cores, one in a storm now and then took in 3.
+    assert sum(ids[i] in aborted_at for i in dropped) >= DROPPED // 2
     assert sum(n > 2 for n in taken_after) <= 2, f"tokens after a hang-up: {collections.Counter(taken_after)}"
     counts = sorted(collections.Counter(made_after).items())
-    print(f"most tokens after a hang-up: {worst}; workers' counts (tokens: hang-ups): {counts}")
+    print(f"most tokens after the server's abort: {most_late}; after a hang-up: {worst}; "
+          f"workers' counts (tokens: hang-ups): {counts}")
     # The workers' own count: the abort reaches a decode worker through the server's event loop, the engine's
     # thread (between two waits for the workers' messages) and a socket, and the worker steps on meanwhile.
     # Measured on the project's two shared cores, nearly every one made <= 1 token after its hang-up, and one
