@@ -153,13 +153,6 @@ class SimInstance:
         return len(sched.waiting) + len(sched.running) + len(sched.waiting_for_kv)
 
     @property
-    def queued_tokens(self) -> int:
-        """Tokens still to compute for the requests here."""
-        sched = self.core.scheduler
-        return sum(r.num_uncomputed_tokens for r in sched.waiting) + sum(r.num_uncomputed_tokens
-                                                                          for r in sched.running)
-
-    @property
     def free_blocks(self) -> int:
         """Free KV blocks less those the requests queued here will take when admitted (as the real cluster
         counts blocks promised to requests on their way to a worker)."""
