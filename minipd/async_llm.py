@@ -207,6 +207,9 @@ class AsyncLLM:
                     self._handle(command)
                     wait = 0.0
                 if not self._engine.busy():
+                    # Another caller of the same engine (a second AsyncLLM, the LLM's own generate) may have
+                    # stepped our requests to their end: hand over what it left in their outboxes.
+                    self._route()
                     continue
                 try:
                     self._engine.step()
@@ -238,7 +241,9 @@ class AsyncLLM:
                 self._route()
 
     def _route(self) -> None:
-        """Hand every request's new deltas to its consumer (one hand-over per request per step)."""
+        """Hand every request's new deltas to its consumer: one hand-over per event loop per step, which puts
+        each request's batch in its queue (one wake-up of the loop for 200 streams, not 200)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[StreamDelta]]]] = {}
         for rid, stream in list(self._streams.items()):
             if not stream.outbox:
                 continue
@@ -246,8 +251,10 @@ class AsyncLLM:
             stream.outbox.clear()
             if batch[-1].finished:
                 del self._streams[rid]
+            by_loop.setdefault(stream.loop, []).append((stream.sink, batch))
+        for loop, batches in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody to tell
-                stream.loop.call_soon_threadsafe(stream.sink.put_nowait, batch)
+                loop.call_soon_threadsafe(_hand_over, batches)
 
     def _fail_all(self, err: BaseException) -> None:
         """End every request in flight with ``err`` (the engine cannot serve them)."""
@@ -257,6 +264,20 @@ class AsyncLLM:
                 self._engine.abort(rid)
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.sink.put_nowait, err)
+
+
+#: Requests whose consumers one turn of the event loop wakes: the rest wait for its next turn, so a timer or
+#: a new connection waits for a few dozen streams' work, not for every stream's.
+HAND_OVER_PER_TURN = 16
+
+
+def _hand_over(batches: list[tuple[asyncio.Queue, list[StreamDelta]]], start: int = 0) -> None:
+    """In the consumers' loop: each request's new deltas into its queue, ``HAND_OVER_PER_TURN`` per turn."""
+    end = min(start + HAND_OVER_PER_TURN, len(batches))
+    for sink, batch in batches[start:end]:
+        sink.put_nowait(batch)
+    if end < len(batches):
+        asyncio.get_running_loop().call_soon(_hand_over, batches, end)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None,

@@ -162,3 +162,21 @@ def test_deltas_carry_their_logprobs_and_bad_input_is_refused():
 
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(after())
+
+
+def test_requests_finished_by_another_caller_of_the_same_engine_still_reach_their_consumer(reference):
+    """A second ``AsyncLLM`` (or the ``LLM``'s own ``generate``) may take the step that ends a request: its last
+    delta still reaches the consumer, though this front end's thread never stepped it."""
+    llm, prompts, params, want = reference
+    idle = AsyncLLM.from_llm(llm)
+    idle._engine.busy = lambda: False  # this one never steps: the other always wins the race
+    other = AsyncLLM.from_llm(llm)  # it steps whenever the engine has work, ours included
+
+    async def run() -> list[int]:
+        return [d.token_id async for d in idle.generate(prompts[0], params[0])]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), timeout=30)) == want[0]
+    finally:
+        idle.shutdown()
+        other.shutdown()

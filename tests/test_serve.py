@@ -468,3 +468,24 @@ def test_a_moe_model_with_an_int8_kv_cache_serves_what_the_engine_computes():
     finally:
         engine.shutdown()
     assert got.choices[0].text == want.text and got.usage.completion_tokens == 16
+
+
+def test_a_client_gone_before_the_answer_gets_499_not_an_internal_error():
+    """The disconnect watcher wins the race: the work is cancelled and waited for, and the answer is 499 (no
+    ``InvalidStateError`` from asking a task that is still unwinding for its result)."""
+    from minipd.serve.app import until_disconnect
+
+    unwound = []
+
+    class GoneRequest:
+        async def receive(self) -> dict:
+            return {"type": "http.disconnect"}
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            unwound.append(True)
+
+    response = asyncio.run(asyncio.wait_for(until_disconnect(GoneRequest(), work()), timeout=10))
+    assert response.status_code == 499 and unwound == [True]

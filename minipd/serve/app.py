@@ -76,9 +76,11 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+            # (A cancelled task is only done once it has run its way out: wait for that, not its result.)
+            await asyncio.wait({task})
     if task.cancelled():
         return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
     return task.result()
