@@ -7,6 +7,7 @@ import pytest
 from minipd.serve.loadgen import RequestResult, Slo
 from minipd.sim.cli import main as simulate_main
 from minipd.sim.cli import parse_placement
+from minipd.sim.cluster import simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, preset
 from minipd.sim.roofline import NVLINK4
 from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput, placements, search_placements, unit_of
@@ -70,6 +71,43 @@ def test_the_search_ranks_by_goodput_per_device_and_checks_the_best_whole():
     # 2C is searched as one instance and doubled.
     colocated = next(r for r in ranked if r.name == "2C")
     assert max(rate for rate, _ in colocated.tried) * 2 >= colocated.goodput
+
+
+@pytest.mark.parametrize("placement", ["1C", "1P+1D", "2P+1D"])
+def test_a_run_stopped_at_its_verdict_gives_the_whole_runs_verdict_sooner(placement):
+    """Rates below, near and above the edge: stopped once certain, a run passes or fails exactly as the same
+    run taken to its end, its attainment a lower bound of the whole run's; overloaded, it stops well before."""
+    cluster = GpuCluster(preset("llama-3-8b"), H100_SXM, NVLINK4)
+    spec = parse_placement(placement, cluster)
+    shape = WorkloadShape("256:2048", "16:128", num_requests=100, duration_s=6.0)
+    slo = Slo(ttft_ms=250, tpot_ms=25)
+    verdicts, saved = set(), []
+    for rate in (2, 8, 14, 24, 40):
+        whole = simulate(spec, shape.at(rate * spec.devices))
+        for target in (0.5, 0.9):
+            early = simulate(spec, shape.at(rate * spec.devices), until_verdict=(slo, target))
+            assert (early.attainment(slo) >= target) == (whole.attainment(slo) >= target), (rate, target)
+            assert early.attainment(slo) <= whole.attainment(slo) + 1e-12
+            verdicts.add(whole.attainment(slo) >= target)
+            if early.stopped_early:
+                assert sum(r.finished is None and not r.dropped for r in early.requests) > 0
+            saved.append(early.duration / whole.duration)
+    assert verdicts == {True, False}  # both sides of the edge were tried
+    assert min(saved) < 0.5  # an overloaded run is decided long before its queue drains
+
+
+def test_the_goodput_search_finds_the_same_rate_with_runs_stopped_at_their_verdicts():
+    cluster = GpuCluster(preset("llama-3-8b"), H100_SXM, NVLINK4)
+    shape = WorkloadShape("256:1024", "32:128", num_requests=60, duration_s=5.0)
+    slo = Slo(ttft_ms=300, tpot_ms=40)
+    for spec in (cluster.colocated(1, 1), cluster.disaggregated(1, 1, 1, 1)):
+        whole = find_goodput(lambda r, s=spec: simulate(s, shape.at(r)).results(), slo, start=8.0, rel_tol=0.05)
+        early = find_goodput(lambda r, s=spec: simulate(s, shape.at(r), until_verdict=(slo, 0.9)).results(), slo,
+                             start=8.0, rel_tol=0.05)
+        assert early[0] == whole[0] > 0
+        assert [rate for rate, _ in early[1]] == [rate for rate, _ in whole[1]]
+    with pytest.raises(ValueError, match="attainment"):
+        simulate(spec, shape.at(1.0), until_verdict=(slo, 1.5))
 
 
 def test_the_command_line_runs_a_placement_and_writes_json(tmp_path, capsys):

@@ -181,7 +181,7 @@ def simulate_goodput(model: str, prompt_tokens: int, output_tokens: int, ttft_sl
     per_device: dict[str, float] = {}
     start = 4.0
     for kind, spec in (("colocated", cluster.colocated(1, tp)), ("split", cluster.disaggregated(1, tp, 1, tp))):
-        rate, _ = find_goodput(lambda r, s=spec: simulate(s, shape.at(r)).results(), slo,
+        rate, _ = find_goodput(lambda r, s=spec: simulate(s, shape.at(r), until_verdict=(slo, 0.9)).results(), slo,
                                start=start * spec.devices, rel_tol=rel_tol, max_runs=7)
         per_device[kind] = rate / spec.devices
         start = max(per_device[kind], 0.25)  # the split's search starts near the colocated goodput: fewer runs

@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,8 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
         raise ValueError("--goodput and --search need --ttft-slo-ms and/or --tpot-slo-ms")
     if args.search is not None:
+        started = time.perf_counter()
         ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, verify=1,
                                    progress=True)
+        print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         print(f"{args.model} on {args.search} x {GPUS[args.gpu].name}, link {LINKS[args.link].name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
         for result in ranked:
@@ -102,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         spec = parse_placement(args.placement, cluster)
         if args.goodput:
-            rate, tried = find_goodput(lambda r: simulate(spec, shape.at(r)).results(), slo, start=args.rate,
+            rate, tried = find_goodput(lambda r: simulate(spec, shape.at(r), until_verdict=(slo, args.attainment)
+                                                          ).results(), slo, start=args.rate,
                                        attainment=args.attainment)
             print(f"{spec.describe()}: goodput {rate:.2f} req/s ({rate / spec.devices:.2f} per device)")
             report.update(placement=spec.describe(), goodput=rate, tried=tried)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -180,6 +181,10 @@ class SimResult:
     requests: list[SimRequest]
     instances: dict[str, InstanceStats]
     duration: float
+    #: Whether the run stopped once its verdict was certain (``simulate(..., until_verdict=...)``): the
+    #: requests it had not finished then count as missed, so :meth:`attainment` is a lower bound, on the
+    #: same side of the target as the whole run's.
+    stopped_early: bool = False
 
     def results(self) -> list[RequestResult]:
         return [r.to_result() for r in self.requests]
@@ -216,11 +221,36 @@ class SimResult:
         return sum(bool(r.dropped) for r in self.requests)
 
 
+class _Verdict:
+    """Whether at least ``attainment`` of ``total`` requests meet ``slo``, counted as they are judged: a request
+    is judged when it finishes (or is dropped), or at its first token if that already misses the TTFT target."""
+
+    def __init__(self, slo: Slo, attainment: float, total: int) -> None:
+        if not 0 < attainment <= 1:
+            raise ValueError(f"until_verdict: the attainment must be in (0, 1], got {attainment}")
+        self.slo, self.total = slo, total
+        self.needed = math.ceil(attainment * total - 1e-9)  # (0.9 of 200 is 180, not 181 by rounding error)
+        self.met = self.missed = 0
+        self.judged: set[int] = set()
+
+    def judge(self, sim: SimRequest, met: bool) -> None:
+        if sim.index not in self.judged:
+            self.judged.add(sim.index)
+            if met:
+                self.met += 1
+            else:
+                self.missed += 1
+
+    @property
+    def certain(self) -> bool:
+        return self.met >= self.needed or self.missed > self.total - self.needed
+
+
 class _Cluster:
     """One run's state: the environment, the instances and the requests."""
 
     def __init__(self, spec: ClusterSpec, workload: Sequence[PlannedRequest], keep_timeline: bool,
-                 progress: Callable[[int], None] | None) -> None:
+                 progress: Callable[[int], None] | None, verdict: tuple[Slo, float] | None = None) -> None:
         import simpy
 
         self.env = simpy.Environment()
@@ -230,6 +260,7 @@ class _Cluster:
         self.live: dict[str, SimRequest] = {}
         self.pending = len(self.requests)
         self.all_done = self.env.event()
+        self.verdict = None if verdict is None else _Verdict(*verdict, len(self.requests))
         self.instances: dict[str, list[SimInstance]] = {"colocated": [], "prefill": [], "decode": []}
         self.links: dict[str, Any] = {}
         self.held: dict[str, SimInstance] = {}  # request id -> the prefill instance keeping its K/V
@@ -327,7 +358,10 @@ class _Cluster:
         self.pending -= 1
         if self.progress is not None:
             self.progress(1)
-        if self.pending == 0 and not self.all_done.triggered:
+        verdict = self.verdict
+        if verdict is not None:
+            verdict.judge(sim, verdict.slo.met(sim.to_result()))
+        if (self.pending == 0 or (verdict is not None and verdict.certain)) and not self.all_done.triggered:
             self.all_done.succeed()
 
     # ---------------------------------------------------------------------------- outputs
@@ -337,6 +371,8 @@ class _Cluster:
             sim = self.live[out.request_id]
             if sim.first_scheduled is None and out.first_scheduled_time is not None:
                 sim.first_scheduled = out.first_scheduled_time
+            if not sim.token_times and self.verdict is not None:
+                self._judge_first_token(sim, now)
             sim.token_times.extend([now] * len(out.new_token_ids))
             if instance.role == "prefill":
                 if sim.output_len == 1:
@@ -350,6 +386,15 @@ class _Cluster:
                 self._done(sim)
         if self.backlog and instance.role == "decode":
             self._admit_backlog()  # a decode step may have freed blocks
+
+    def _judge_first_token(self, sim: SimRequest, now: float) -> None:
+        """A first token later than the TTFT target is a miss already (a run deciding early learns it sooner)."""
+        verdict = self.verdict
+        limit = verdict.slo.ttft_ms
+        if limit is not None and (now - sim.arrival) * 1000 > limit:
+            verdict.judge(sim, False)
+            if verdict.certain and not self.all_done.triggered:
+                self.all_done.succeed()
 
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
         self.prefilling.pop(str(sim.index), None)
@@ -391,9 +436,15 @@ class _Cluster:
 
 
 def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_timeline: bool = False,
-             progress: bool = False) -> SimResult:
+             progress: bool = False, until_verdict: tuple[Slo, float] | None = None) -> SimResult:
     """Run ``workload`` (requests with arrival times and lengths, :mod:`minipd.serve.workload`) through the
-    cluster ``spec`` until every request has finished or been dropped."""
+    cluster ``spec`` until every request has finished or been dropped.
+
+    ``until_verdict=(slo, attainment)`` stops the run as soon as it is certain whether at least ``attainment``
+    of the requests meet ``slo`` (what a goodput search asks of each run): the requests not finished then
+    count as missed, so the run's attainment lands on the same side of the target as the whole run's would
+    (:attr:`SimResult.stopped_early` says it stopped). An overloaded run is decided after its first few
+    late requests, not after draining its whole queue."""
     if not workload:
         raise ValueError("the workload holds no requests")
     bar = None
@@ -401,7 +452,7 @@ def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_time
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(workload), desc=f"simulating {spec.describe()}", unit="req", leave=False)
-    cluster = _Cluster(spec, workload, keep_timeline, None if bar is None else bar.update)
+    cluster = _Cluster(spec, workload, keep_timeline, None if bar is None else bar.update, until_verdict)
     try:
         cluster.env.run(until=cluster.all_done)
     finally:
@@ -412,7 +463,7 @@ def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_time
         for instance in group:
             instance.finish_stats()
             stats[instance.name] = instance.stats
-    return SimResult(spec, cluster.requests, stats, cluster.env.now)
+    return SimResult(spec, cluster.requests, stats, cluster.env.now, stopped_early=cluster.pending > 0)
 
 
 __all__ = ["ClusterSpec", "InstanceSpec", "SimRequest", "SimResult", "simulate"]

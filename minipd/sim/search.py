@@ -90,7 +90,8 @@ class PlacementResult:
 
     spec: ClusterSpec
     goodput: float
-    #: (rate, attainment) of every run of the search (on the placement's unit).
+    #: (rate, attainment) of every run of the search (on the placement's unit). Each run stopped once its
+    #: verdict was certain, so an attainment is a lower bound, on the right side of the target.
     tried: list[tuple[float, float]] = field(default_factory=list)
     #: With ``verify``: the attainment of the whole placement simulated at :attr:`goodput` (None if not run).
     verified: float | None = None
@@ -195,8 +196,9 @@ def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo
         key = unit.describe()
         if key not in units:
             # Each search starts near the last goodput per device found: fewer doublings.
-            units[key] = find_goodput(lambda r, u=unit: simulate(u, workload.at(r)).results(), slo,
-                                      start=per_device * unit.devices, attainment=attainment, rel_tol=rel_tol)
+            units[key] = find_goodput(lambda r, u=unit: simulate(u, workload.at(r),
+                                                                   until_verdict=(slo, attainment)).results(),
+                                      slo, start=per_device * unit.devices, attainment=attainment, rel_tol=rel_tol)
             if units[key][0] > 0:
                 per_device = units[key][0] / unit.devices
         rate, tried = units[key]
