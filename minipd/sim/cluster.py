@@ -358,10 +358,14 @@ class _Cluster:
         self.pending -= 1
         if self.progress is not None:
             self.progress(1)
-        verdict = self.verdict
-        if verdict is not None:
-            verdict.judge(sim, verdict.slo.met(sim.to_result()))
-        if (self.pending == 0 or (verdict is not None and verdict.certain)) and not self.all_done.triggered:
+        if self.verdict is not None:
+            self.verdict.judge(sim, self.verdict.slo.met(sim.to_result()))
+        self._end_if_over()
+
+    def _end_if_over(self) -> None:
+        """End the run once every request is done, or once its verdict is certain (when one is asked for)."""
+        over = self.pending == 0 or (self.verdict is not None and self.verdict.certain)
+        if over and not self.all_done.triggered:
             self.all_done.succeed()
 
     # ---------------------------------------------------------------------------- outputs
@@ -393,8 +397,7 @@ class _Cluster:
         limit = verdict.slo.ttft_ms
         if limit is not None and (now - sim.arrival) * 1000 > limit:
             verdict.judge(sim, False)
-            if verdict.certain and not self.all_done.triggered:
-                self.all_done.succeed()
+            self._end_if_over()
 
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
         self.prefilling.pop(str(sim.index), None)
