@@ -133,8 +133,8 @@ def test_compile_decode_refuses_models_it_does_not_cover():
 
 
 def test_buckets_run_on_the_threads_they_were_compiled_for():
-    # A CPU program is built for the thread count it is traced under; the engine picks the count by the
-    # bucket (1 thread up to 4 rows, all from 5), so after warm-up no step traces a program again.
+    # A CPU program is built for the thread count it is traced under; compiled steps all run on the engine's
+    # count (eager ones of few tokens on one thread), so after warm-up no step traces a program again.
     from torch._dynamo.utils import counters
 
     need_cpu_kernel()
@@ -145,7 +145,7 @@ def test_buckets_run_on_the_threads_they_were_compiled_for():
                   max_num_seqs=8)
         assert torch.get_num_threads() == 2  # warm-up gave the caller's count back
         compiles = counters["stats"]["calls_captured"]
-        # Three sequences run in the bucket of 8 (on 2 threads), the last one alone in the bucket of 1 (on 1).
+        # Three sequences run in the bucket of 8, the last one alone in the bucket of 1 (both on 2 threads).
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 6, 14)]
         llm.generate(PROMPTS, params)
         assert counters["stats"]["calls_captured"] == compiles

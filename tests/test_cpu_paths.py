@@ -11,7 +11,7 @@ from torch import nn
 
 from minipd import LLM, SamplingParams
 from minipd.engine.threads import SMALL_STEP_TOKENS, threads_for_step
-from minipd.kernels.cpu_linear import PackedLinear, onednn_available, pack_linears
+from minipd.kernels.cpu_linear import TRACED_SUM_ROWS, PackedLinear, onednn_available, pack_linears, rows_linear
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear")
 PROMPTS = ["def fib(n):", "import os\nclass Foo:", "for i in range(10):\n    print(", "x = [", "return self."]
@@ -37,6 +37,34 @@ def test_packed_linear_matches_f_linear(shape, bias):
     with torch.inference_mode():
         torch.testing.assert_close(packed(wide[:, :24]), F.linear(wide[:, :24], linear.weight, linear.bias),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_linear_is_f_linear(rows, bias):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 96), torch.randn(40, 96)
+    b = torch.randn(40) if bias else None
+    torch.testing.assert_close(rows_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_compiled_packed_linear_sums_few_rows_itself_and_packs_many():
+    # Compiled, a call of few rows is written as a multiply-and-sum (no matrix product left in the program);
+    # more rows go to oneDNN's packed product. Both give F.linear's answer.
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    packed = PackedLinear(linear)
+    for rows, matmul in ((1, False), (TRACED_SUM_ROWS, False), (TRACED_SUM_ROWS + 1, True)):
+        torch._dynamo.reset()
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got, code = run_and_get_code(torch.compile(packed, fullgraph=True, dynamic=False), x)
+            torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+        source = "\n".join(code)
+        assert ("onednn_linear" in source) is matmul, rows
 
 
 @needs_onednn
