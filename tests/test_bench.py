@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from minipd.bench import make_workload
+from minipd.bench import file_workload, machine_label, make_workload, random_workload
 
 
 def test_workloads_are_seeded_and_within_their_ranges():
@@ -18,6 +19,49 @@ def test_workloads_are_seeded_and_within_their_ranges():
     assert all(21 <= len(p) <= 37 and p[:5] == a.prompts[0][:5] for p in a.prompts)
     assert all(4 <= n <= 8 for n in a.output_lens) and a.output_tokens == sum(a.output_lens)
     assert all(0 < t < 100 for p in a.prompts for t in p)
+
+
+def test_the_random_mix_is_seeded_and_its_lengths_spread():
+    a, b, c = (random_workload(48, vocab_size=100, seed=seed) for seed in (5, 5, 6))
+    assert a == b and a != c
+    lens = [len(p) for p in a.prompts]
+    assert len(lens) == 48 and 1 <= min(lens) and max(lens) <= 640 and max(a.output_lens) <= 320
+    assert max(lens) > 3 * min(lens)  # a mix, not one length
+    small = random_workload(48, vocab_size=100, seed=5, scale=0.1)
+    assert max(len(p) for p in small.prompts) <= 64
+
+
+def test_a_workload_file_gives_its_lengths_and_refuses_what_the_model_cannot_take(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt_len": 7, "output_len": 3}\n\n{"prompt_len": 2, "output_len": 9, "arrival": 0.5}\n')
+    w = file_workload(str(path), vocab_size=50, max_model_len=16)
+    assert [len(p) for p in w.prompts] == [7, 2] and w.output_lens == [3, 9]
+    with pytest.raises(ValueError, match="request 2 needs 2 \\+ 9 tokens; the model takes at most 10"):
+        file_workload(str(path), vocab_size=50, max_model_len=10)
+    path.write_text('{"prompt_len": 7}\n')
+    with pytest.raises(ValueError, match=r"mine\.jsonl:1: a trace line needs"):
+        file_workload(str(path), vocab_size=50, max_model_len=16)
+
+
+def test_the_machine_label_names_the_cpu_and_threads():
+    from minipd.kernels.measured import cpu_description
+
+    label = machine_label()
+    assert label.startswith(cpu_description()["cpu"]) and label.endswith(f"{torch.get_num_threads()} threads")
+
+
+def test_bench_runs_a_workload_file_and_refuses_a_bad_one(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(f'{{"prompt_len": {p}, "output_len": {o}}}\n' for p, o in ((12, 4), (30, 6), (5, 8))))
+    out = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", str(path), "--rounds", "1",
+                          "--no-hf-continuous"], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"[{path}] 3 requests, 47 prompt tokens, 18 output tokens" in out.stdout
+    assert "throughput minipd / HF generate (padded)" in out.stdout and machine_label() in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "minipd", "bench", "--workload", str(tmp_path / "none.jsonl")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--workload must be one of mixed" in bad.stderr
 
 
 def test_bench_prints_every_comparison():
@@ -32,7 +76,8 @@ def test_bench_prints_every_comparison():
                    "fp32 GEMM torch.mm", "copy bandwidth", "useful GFLOP/s", "of the fp32 GEMM peak",
                    "useful FLOP/s / fp32 GEMM peak (minipd)", "TPOT minipd int8 weights / HF generate",
                    "minipd, compile_decode", "HF static cache + torch.compile",
-                   "TPOT minipd compile_decode / HF static + compile", "median"):
+                   "TPOT minipd compile_decode / HF static + compile", "median", "[random, seed 0]",
+                   "TPOT minipd compile_decode / one pass over the weights", "machine: "):
         assert needle in text, needle
 
 

@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING
 from minipd._lazy import lazy_exports
 
 if TYPE_CHECKING:  # (for type checkers and editors; at run time each name is imported on first use)
-    from minipd.bench.hf import Workload, main, make_workload
+    from minipd.bench.hf import Workload, file_workload, machine_label, main, make_workload, random_workload
 
 _WHERE = {
     "Workload": "minipd.bench.hf",
     "main": "minipd.bench.hf",
     "make_workload": "minipd.bench.hf",
+    "random_workload": "minipd.bench.hf",
+    "file_workload": "minipd.bench.hf",
+    "machine_label": "minipd.bench.hf",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE)
 
-__all__ = ["Workload", "main", "make_workload"]
+__all__ = ["Workload", "file_workload", "machine_label", "main", "make_workload", "random_workload"]

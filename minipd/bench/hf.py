@@ -17,6 +17,14 @@ Three workloads, each timed for both sides in the same run, reported as a ratio:
 - ``ep`` (run on its own): expert parallelism over processes, serial against overlapped micro-batches
   against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench.expert_parallel`).
 
+Readers' own mixes run through the same throughput comparison as ``mixed``: ``--workload random`` (a seeded
+random mix, ``--num-requests`` requests, ``--seed``; lognormal prompt and output lengths) or ``--workload
+FILE.jsonl`` (one request a line: ``{"prompt_len": n, "output_len": m}``, optionally ``"arrival"``, which this
+offline comparison ignores; the format of :func:`minipd.serve.workload.trace_workload`).
+
+Every figure is labelled with the machine it ran on: the CPU's model, the instruction-set features that pick
+the fast kernels (AVX-512, AVX512-BF16, AMX) and the thread count.
+
 ``--scale`` shrinks every workload (request counts and lengths) for a quick look; ``--rounds`` sets how
 many times each system runs, taking turns, for the min and median reported. On a CPU the run starts by
 measuring the machine's GEMM peak and memory bandwidth (:mod:`minipd.bench.floor`): throughput is also given
@@ -26,6 +34,8 @@ as useful FLOP/s, a share of that peak.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
 import statistics
 import time
@@ -34,6 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+#: The named workloads of ``--workload`` (a path to a .jsonl file is the other choice).
+WORKLOADS = ("mixed", "single", "shared-prefix", "random", "pd", "adaptive", "moe", "ep", "all")
 
 
 @dataclass
@@ -47,6 +60,51 @@ class Workload:
     def output_tokens(self) -> int:
         """Output tokens the workload asks for."""
         return sum(self.output_lens)
+
+
+#: The lengths of ``--workload random``: lognormal (mean, spread of the log, largest), prompts then outputs.
+RANDOM_PROMPT_LENS = "lognormal:192:0.9:640"
+RANDOM_OUTPUT_LENS = "lognormal:96:0.8:320"
+
+
+def random_workload(num_requests: int, vocab_size: int, seed: int = 0, scale: float = 1.0) -> Workload:
+    """A seeded random mix: lognormal prompt and output lengths (:data:`RANDOM_PROMPT_LENS`,
+    :data:`RANDOM_OUTPUT_LENS`; ``scale`` shrinks them), random token ids."""
+    import numpy as np
+
+    from minipd.serve.workload import draw_lengths
+
+    rng = np.random.default_rng(seed)
+    prompt_lens = draw_lengths(RANDOM_PROMPT_LENS, num_requests, rng, "prompt lengths")
+    output_lens = draw_lengths(RANDOM_OUTPUT_LENS, num_requests, rng, "output lengths")
+    ids = random.Random(seed)
+    prompts = [[ids.randrange(1, vocab_size) for _ in range(max(1, round(n * scale)))] for n in prompt_lens]
+    return Workload(prompts, [max(1, round(n * scale)) for n in output_lens])
+
+
+def file_workload(path: str, vocab_size: int, max_model_len: int, seed: int = 0) -> Workload:
+    """The requests of a JSONL file (``prompt_len``, ``output_len``, optional ``arrival``: see
+    :func:`minipd.serve.workload.trace_workload`), as random token ids of those lengths.
+
+    Raises ``ValueError`` naming the line of a request longer than the model takes."""
+    from minipd.serve.workload import trace_workload
+
+    planned = trace_workload(path)
+    for number, r in enumerate(planned, 1):
+        if r.prompt_len + r.output_len > max_model_len:
+            raise ValueError(f"{path}: request {number} needs {r.prompt_len} + {r.output_len} tokens; the model "
+                             f"takes at most {max_model_len} (max_model_len)")
+    ids = random.Random(seed)
+    return Workload([[ids.randrange(1, vocab_size) for _ in range(r.prompt_len)] for r in planned],
+                    [r.output_len for r in planned])
+
+
+def machine_label() -> str:
+    """The CPU's model, its fast-kernel features and torch's thread count, for every figure's line."""
+    from minipd.kernels.measured import cpu_description
+
+    cpu = cpu_description()
+    return f"{cpu['cpu']} ({', '.join(cpu['features']) or 'no AVX2'}), {torch.get_num_threads()} threads"
 
 
 def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -218,20 +276,26 @@ def shared_prefix_run(model_name: str, workload: Workload, caching: bool) -> dic
             "hit_rate": llm.engine.block_manager.stats.hit_rate}
 
 
+#: What every target line is labelled with (set by main(): the machine it runs on).
+_machine = ""
+
+
 def _line(label: str, value: float, target: float, better: str) -> str:
     ok = value >= target if better == "higher" else value <= target
     sign = ">=" if better == "higher" else "<="
-    return f"  {label:<52} {value:7.2f}x   target {sign} {target}x  {'met' if ok else 'MISSED'}"
+    where = f"  [{_machine}]" if _machine else ""
+    return f"  {label:<52} {value:7.2f}x   target {sign} {target}x  {'met' if ok else 'MISSED'}{where}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks and print each comparison with its ratio and target."""
     parser = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-py", help="a bundled model, a folder, or random-50m (random weights)")
-    parser.add_argument("--workload", choices=["mixed", "single", "shared-prefix", "pd", "adaptive", "moe", "ep",
-                                                   "all"],
-                        default="all",
-                        help="pd: prefill/decode interference, colocated vs split workers (not part of all)")
+    parser.add_argument("--workload", default="all", metavar="{" + ",".join(WORKLOADS) + ",FILE.jsonl}",
+                        help="pd: prefill/decode interference, colocated vs split workers (not part of all); "
+                             "random: a seeded random mix; FILE.jsonl: your own requests (prompt_len, output_len)")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests of --workload random (>= 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --workload random and of a file's token ids")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (0 < s <= 1)")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF's continuous batching baseline")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of every system (>= 1)")
@@ -240,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--scale must be in (0, 1]")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.num_requests < 1:
+        parser.error("--num-requests must be at least 1")
+    own_file = args.workload not in WORKLOADS
+    if own_file and not (args.workload.endswith(".jsonl") and os.path.isfile(args.workload)):
+        parser.error(f"--workload must be one of {', '.join(WORKLOADS)} or an existing .jsonl file, "
+                     f"got {args.workload!r}")
     if args.workload == "pd":
         from minipd.bench.pd import main as pd_main
 
@@ -273,36 +343,54 @@ def main(argv: list[str] | None = None) -> int:
     pad = llm.tokenizer.eos_token_id or 0
     hf = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype=llm.engine.dtype).to(llm.device).eval()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
+    global _machine
+    _machine = machine_label() if llm.device.type == "cpu" else str(llm.device)
     print(f"model {args.model}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters, "
           f"device {llm.device}, {torch.get_num_threads()} threads, scale {s}, "
           f"linears: {llm.engine.core.linear_backend}")
+    print(f"  machine: {_machine}, torch {torch.__version__}")
     floor = measure_floor() if llm.device.type == "cpu" else None
     if floor is not None:
         print(f"  {describe(floor)}")
-    workloads = ["mixed", "single", "shared-prefix"] if args.workload == "all" else [args.workload]
-
+    workloads = ["mixed", "random", "single", "shared-prefix"] if args.workload == "all" else [args.workload]
+    mixes: dict[str, Workload] = {}
     if "mixed" in workloads:
-        w = make_workload(max(2, round(64 * s)), (16, max(17, round(512 * s))), (16, max(17, round(256 * s))), vocab)
-        useful = workload_flops(llm.config, [len(p) for p in w.prompts], w.output_lens)
-        print(f"\n[mixed] {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-              f"{w.output_tokens} output tokens, {useful / 1e9:.1f} GFLOP of useful work; "
-              f"{args.rounds} interleaved rounds")
-        systems: dict[str, Callable[[], Result]] = {"minipd": lambda: run_minipd(llm, w)}
-        if llm.engine.core.linear_backend != "torch":  # what the packed linears bring, same run
-            plain_llm = LLM(args.model, linear_backend="torch")
-            systems["minipd, F.linear (torch)"] = lambda: run_minipd(plain_llm, w)
-        # Decode steps through the compiled static-shape program: every batch bucket compiled before timing.
-        from minipd.engine.compiled_decode import bucket_sizes
+        mixes["mixed"] = make_workload(max(2, round(64 * s)), (16, max(17, round(512 * s))),
+                                       (16, max(17, round(256 * s))), vocab)
+    if "random" in workloads:
+        mixes[f"random, seed {args.seed}"] = random_workload(max(1, round(args.num_requests * s)), vocab, args.seed, s)
+    if own_file:
+        mixes[args.workload] = file_workload(args.workload, vocab, llm.engine.max_model_len, args.seed)
+        print(f"  ({args.workload}: arrival times, if any, are ignored: every request is given at once)")
 
-        sizes = tuple(bucket_sizes(min(len(w.prompts), llm.engine.core.config.max_num_seqs)))
-        compiled_llm = _compiled_or_why("minipd, compile_decode", LLM, args.model, compile_warmup=True,
-                                        compile_batch_sizes=sizes)
-        if compiled_llm is not None:
-            systems["minipd, compile_decode"] = lambda: run_minipd(compiled_llm, w)
-        systems["HF generate (padded)"] = lambda: run_hf_padded(hf, w, pad)
+    others: dict = {}  # engines built once for every mix: plain linears, compiled decode
+    for mix_name, w in mixes.items():
+        useful = workload_flops(llm.config, [len(p) for p in w.prompts], w.output_lens)
+        print(f"\n[{mix_name}] {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
+              f"{w.output_tokens} output tokens, {useful / 1e9:.1f} GFLOP of useful work; "
+              f"{args.rounds} interleaved rounds; {_machine}")
+        engines = {"minipd": llm}
+        if llm.engine.core.linear_backend != "torch":  # what the packed linears bring, same run
+            if "plain" not in others:
+                others["plain"] = LLM(args.model, linear_backend="torch")
+            engines["minipd, F.linear (torch)"] = others["plain"]
+        if "compiled" not in others:
+            # Decode steps through the compiled static-shape program: every batch bucket compiled before timing.
+            from minipd.engine.compiled_decode import bucket_sizes
+
+            largest = max(len(m.prompts) for m in mixes.values())
+            sizes = tuple(bucket_sizes(min(largest, llm.engine.core.config.max_num_seqs)))
+            others["compiled"] = _compiled_or_why("minipd, compile_decode", LLM, args.model, compile_warmup=True,
+                                                  compile_batch_sizes=sizes)
+        if others["compiled"] is not None:
+            engines["minipd, compile_decode"] = others["compiled"]
+        systems: dict[str, Callable[[], Result]] = {
+            name: functools.partial(run_minipd, engine, w) for name, engine in engines.items()}
+        systems["HF generate (padded)"] = functools.partial(run_hf_padded, hf, w, pad)
         if not args.no_hf_continuous:
             if hf_continuous_batching_available(hf):
-                systems["HF generate_batch (continuous)"] = lambda: run_hf_continuous(hf, w, never_token=vocab)
+                systems["HF generate_batch (continuous)"] = functools.partial(run_hf_continuous, hf, w,
+                                                                              never_token=vocab)
             else:
                 print("  HF continuous batching: not in this transformers version, not run")
         seconds = interleaved({name: lambda run=run: run().seconds for name, run in systems.items()}, args.rounds)
@@ -318,13 +406,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(_line(label, ratio, 4.0 if "padded" in name else 3.0, "higher"))
         if floor is not None:
-            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / median["minipd"] / floor.fp32_peak, 0.4,
+            print(_line("useful FLOP/s / fp32 GEMM peak (minipd)", useful / median["minipd"] / floor.fp32_peak, 0.5,
                         "higher"))
 
     if "single" in workloads:
         new = max(8, round(256 * s))
         prompt = make_workload(1, (32, 32), (new, new), vocab, seed=1).prompts[0]
-        print(f"\n[single] one stream, {new} new tokens, {args.rounds} interleaved rounds")
+        print(f"\n[single] one stream, {new} new tokens, {args.rounds} interleaved rounds; {_machine}")
         runs: dict[str, Callable[[], float]] = {"minipd": lambda: minipd_tpot(llm, prompt, new)}
         compiled = _compiled_or_why("minipd, compile_decode", LLM, args.model, compile_batch_sizes=(1,))
         if compiled is not None:
@@ -351,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
                         "lower"))
             print(_line("TPOT minipd compile_decode / HF static + compile",
                         mid["minipd, compile_decode"] / hf_static, 0.6, "lower"))
+            if floor is not None:  # a decode step reads every weight once: the memory floor of a token
+                weight_bytes = sum(t.numel() * t.element_size() for t in
+                                   {id(p): p for p in llm.model.parameters()}.values())
+                one_pass = weight_bytes / floor.bandwidth
+                print(f"  one fp32 pass over the weights ({weight_bytes / 1e6:.1f} MB at the copy bandwidth): "
+                      f"{one_pass * 1e3:.2f} ms")
+                print(_line("TPOT minipd compile_decode / one pass over the weights",
+                            mid["minipd, compile_decode"] / one_pass, 2.0, "lower"))
         if "minipd, int8 weights" in mid:
             print(_line("TPOT minipd int8 weights / HF generate", mid["minipd, int8 weights"] / hf_plain, 0.35,
                         "lower"))
@@ -364,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                           shared_prefix=max(16, round(256 * s)))
         on, off = shared_prefix_run(args.model, w, True), shared_prefix_run(args.model, w, False)
         cut = 1 - on["prefill_tokens"] / off["prefill_tokens"]
-        print(f"\n[shared-prefix] {len(w.prompts)} requests sharing a {max(16, round(256 * s))}-token prefix")
+        print(f"\n[shared-prefix] {len(w.prompts)} requests sharing a {max(16, round(256 * s))}-token prefix; "
+              f"{_machine}")
         print(f"  prefill tokens computed: {off['prefill_tokens']:.0f} without caching, {on['prefill_tokens']:.0f} "
               f"with (hit rate {on['hit_rate']:.0%})")
         print(f"  mean TTFT: {off['mean_ttft'] * 1e3:.1f} ms without caching, {on['mean_ttft'] * 1e3:.1f} ms with")
