@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -110,7 +112,17 @@ def _kvquality(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from minipd.serve.server import main as serve_main
 
-    return serve_main(args)
+    code = serve_main(args)
+    from minipd.engine.compiled_decode import compiling_in_background
+
+    if compiling_in_background():
+        # The engine is shut down, but the interpreter's teardown would wait seconds for the program the
+        # compiler is tracing (it cannot be interrupted): this process has nothing left to do, so end it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _loadgen(args: argparse.Namespace) -> int:

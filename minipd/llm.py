@@ -73,7 +73,11 @@ class LLM(LLMBase):
                     engine_config.block_size, self.kv_capacity_tokens, self.engine.pool.nbytes / 2**20)
 
     def close(self) -> None:
-        """Stop the processes this LLM started (expert-parallel ranks); a no-op otherwise. Idempotent."""
+        """Stop the processes this LLM started (expert-parallel ranks) and any background compilation of decode
+        programs (the one in progress finishes on its own); a no-op otherwise. Idempotent."""
+        compiled = self.engine.core.runner.compiled
+        if compiled is not None:
+            compiled.stop_compiling(timeout=0)
         if self.expert_parallel is not None:
             self._finalizer()
 

@@ -75,9 +75,10 @@ def test_bench_prints_every_comparison():
                    "[shared-prefix]", "prefill tokens cut by prefix caching", "mean TTFT with / without caching",
                    "fp32 GEMM torch.mm", "copy bandwidth", "useful GFLOP/s", "of the fp32 GEMM peak",
                    "useful FLOP/s / fp32 GEMM peak (minipd)", "TPOT minipd int8 weights / HF generate",
-                   "minipd, compile_decode", "HF static cache + torch.compile",
-                   "TPOT minipd compile_decode / HF static + compile", "median", "[random, seed 0]",
-                   "TPOT minipd compile_decode / one pass over the weights", "machine: "):
+                   "minipd, eager", "HF static cache + torch.compile", "TPOT minipd / HF static + compile",
+                   "median", "[random, seed 0]", "TPOT minipd / one pass over the weights", "machine: ",
+                   "engine: on (", "auto: a long-lived engine", "first decode program ready",
+                   "warm start (a second process, same engine)"):
         assert needle in text, needle
 
 

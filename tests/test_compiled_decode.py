@@ -6,6 +6,8 @@ Compiling costs ~10-30 s per bucket on a 2-core CPU, so these tests keep to a fe
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import make_hf_model, need_cpu_kernel
@@ -116,8 +118,10 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(compile_warmup=True), "compile_warmup compiles the decode buckets"),
-    (dict(compile_decode="yes"), "compile_decode must be True or False"),
+    (dict(compile_decode="yes"), "compile_decode must be True, False or 'auto'"),
+    (dict(compile_decode=1), "compile_decode must be True, False or 'auto'"),
+    (dict(long_lived="yes"), "long_lived must be True or False"),
+    (dict(compile_decode=False, compile_warmup=True), "compile_warmup compiles the decode buckets"),
     (dict(compile_decode=True, compile_batch_sizes=(0, 4)), "compile_batch_sizes must be"),
     (dict(compile_decode=True, compile_batch_sizes=(4,), max_num_seqs=2), "compile_batch_sizes must be"),
     (dict(compile_decode=True, kv_cache_dtype="int8"), "compile_decode reads an unquantized cache"),
@@ -191,3 +195,63 @@ def test_compile_decode_with_expert_parallelism_is_refused_before_any_rank_start
     monkeypatch.setattr(ranks, "RankProcess", no_ranks)
     with pytest.raises(ValueError, match=r"compile_decode.*expert_parallel_size"):
         LLM("tiny-py-moe", compile_decode=True, expert_parallel_size=2)
+
+
+def test_auto_compiles_a_long_lived_engine_in_the_background_and_no_step_waits_for_it():
+    # compile_decode="auto" (the default) on a long-lived engine: programs are compiled in a background thread,
+    # smallest first; steps whose program is not ready run eagerly meanwhile. Outputs are the eager engine's
+    # before, during and after, and once every program is ready no step traces again.
+    from torch._dynamo.utils import counters
+
+    need_cpu_kernel()
+    options = dict(max_model_len=64, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (20, 9, 4)]
+    want = _tokens(LLM("tiny-py", **options), params)
+    llm = LLM("tiny-py", long_lived=True, compile_batch_sizes=(1, 4), **options)
+    compiled = llm.engine.core.runner.compiled
+    assert compiled is not None and compiled.ready is not None
+    assert "auto: a long-lived engine" in llm.describe()["compile_decode"]
+    assert _tokens(llm, params) == want  # (whatever was ready by then)
+    assert compiled.wait_until_compiled(timeout=300)
+    assert compiled.ready == compiled.compiled == {(1, 4), (4, 4)} and len(compiled.ready_after) == 2
+    assert llm.describe()["compile_decode"] == "on (2 batch sizes, 2 of 2 programs ready; auto: a long-lived engine)"
+    traced = counters["stats"]["calls_captured"]
+    assert _tokens(llm, params) == want
+    assert counters["stats"]["calls_captured"] == traced
+    llm.close()
+
+
+def test_auto_compiles_only_when_the_engine_is_idle_or_has_waited_long_enough(monkeypatch):
+    # A program being traced holds the interpreter for seconds: the background thread starts one only while
+    # the engine has no request running (or after COMPILE_WAIT_FOR_IDLE_S of waiting for that).
+    from minipd.engine import compiled_decode
+
+    need_cpu_kernel()
+    llm = LLM("tiny-py", long_lived=True, compile_batch_sizes=(1,), max_model_len=64, max_num_seqs=1)
+    compiled = llm.engine.core.runner.compiled
+    compiled.stop_compiling()  # (this engine's own thread: the test drives a fresh one below)
+    monkeypatch.setattr(compiled_decode, "COMPILE_WAIT_FOR_IDLE_S", 1.5)
+    fresh = compiled_decode.CompiledDecode(compiled.model, compiled.pool, compiled.attend, [1], 4, width_buckets=False)
+    fresh.idle.clear()  # as during a step
+    began = time.monotonic()
+    fresh.compile_in_background(torch.get_num_threads())
+    time.sleep(0.5)
+    assert fresh.compiled == set()  # still waiting for an idle moment
+    assert fresh.wait_until_compiled(timeout=300) and fresh.ready == {(1, 4)}
+    assert time.monotonic() - began >= 1.4  # ... and compiled once it had waited long enough
+
+
+def test_auto_leaves_short_lived_engines_and_what_it_does_not_cover_eager():
+    assert LLM("tiny-py").describe()["compile_decode"] == \
+        "off (auto: a short-lived engine (long_lived=False); compile_decode=True compiles)"
+    assert LLM("tiny-py", compile_decode=False, long_lived=True).describe()["compile_decode"] == "off"
+    moe = LLM("tiny-py-moe", long_lived=True)
+    assert moe.engine.core.runner.compiled is None
+    assert moe.describe()["compile_decode"] == "off (auto: the compiled step does not cover mixture-of-experts layers)"
+    quantized = LLM("tiny-py", long_lived=True, kv_cache_dtype="int8")
+    assert quantized.describe()["compile_decode"] == \
+        "off (auto: the compiled step does not cover kv_cache_dtype='int8')"
+    evicting = LLM("tiny-py", long_lived=True, kv_eviction="snapkv", kv_budget=64)
+    assert "token eviction observes attention" in evicting.describe()["compile_decode"]
+    torch_attention = LLM("tiny-py", long_lived=True, kernel_backend="torch")
+    assert "the torch attention needs a program per table width" in torch_attention.describe()["compile_decode"]

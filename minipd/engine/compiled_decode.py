@@ -17,16 +17,22 @@ shape means:
   (:func:`~minipd.kernels.paged_attention.decode_attention_with_new`), and one ``index_copy_`` after
   the graph stores all layers.
 
-Each bucket is compiled on its first use (a few seconds to tens of seconds on a laptop CPU) or all at
-start-up with ``compile_warmup=True``. On a CPU the weights are frozen into the program as constants:
-a model whose weights change afterwards needs a new engine. Steps the compiled program does not
-cover run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a
-layer hook (layer-wise KV transfer) or an attention observer (eviction by received attention),
-prompt log-probabilities.
+Each bucket is compiled on its first use (a few seconds to tens of seconds on a laptop CPU), all at
+start-up with ``compile_warmup=True``, or -- what ``compile_decode="auto"`` does for a long-lived engine --
+in the background (:meth:`CompiledDecode.compile_in_background`): smallest bucket first, while steps whose
+bucket is not ready yet run eagerly, so no step ever waits for the compiler. On a CPU the weights are
+frozen into the program as constants: a model whose weights change afterwards needs a new engine. Steps the
+compiled program does not cover run eagerly: anything with a prefill chunk, a batch or context beyond
+the largest bucket, a layer hook (layer-wise KV transfer) or an attention observer (eviction by received
+attention), prompt log-probabilities.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,6 +42,41 @@ from minipd.kernels.paged_attention import decode_attention_with_new
 from minipd.kv.paged_pool import PagedKVPool
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
+
+logger = logging.getLogger("minipd")
+
+#: How often the interpreter offers the GIL to another thread while a program compiles in the background
+#: (seconds; Python's default is 0.005). Tracing holds the GIL for long stretches: at the default, a step
+#: running beside it waited for the GIL at every op (a 90-token batch took 13 s instead of 3 here).
+COMPILE_SWITCH_INTERVAL = 0.0005
+#: A background compilation starts a program while the engine is idle, or once it has waited this long
+#: (seconds) for an idle moment: tracing a program holds the GIL for seconds, which steps would feel.
+COMPILE_WAIT_FOR_IDLE_S = 30.0
+_switch_lock = threading.Lock()
+_compiling_now = 0
+_caller_interval = 0.005
+
+
+def _background_started() -> None:
+    global _compiling_now, _caller_interval
+    with _switch_lock:
+        if _compiling_now == 0:
+            _caller_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(_caller_interval, COMPILE_SWITCH_INTERVAL))
+        _compiling_now += 1
+
+
+def _background_ended() -> None:
+    global _compiling_now
+    with _switch_lock:
+        _compiling_now -= 1
+        if _compiling_now == 0:
+            sys.setswitchinterval(_caller_interval)
+
+
+def compiling_in_background() -> bool:
+    """Whether any engine of this process is still compiling decode programs in the background."""
+    return _compiling_now > 0
 
 
 def cpu_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
@@ -139,6 +180,16 @@ class CompiledDecode:
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
         #: (batch bucket, width bucket) pairs compiled so far.
         self.compiled: set[tuple[int, int]] = set()
+        #: While compiling in the background: the buckets steps may use (the ones compiled); None otherwise.
+        self.ready: set[tuple[int, int]] | None = None
+        self._background: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: Seconds from the start of background compilation until each program was ready, in order.
+        self.ready_after: list[float] = []
+        #: Set while the engine has no request to run (the engine sets and clears it): when a background
+        #: compilation prefers to trace.
+        self.idle = threading.Event()
+        self.idle.set()
         self._static: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         num_layers, num_blocks, block_size = pool.k.shape[:3]
         self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
@@ -155,17 +206,114 @@ class CompiledDecode:
         return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
 
     def buckets_for(self, batch: int, width: int) -> tuple[int, int] | None:
-        """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big."""
+        """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big,
+        or, while compiling in the background, not compiled yet."""
         b, w = _bucket(self.batch_sizes, batch), _bucket(self.widths, width)
-        return None if b is None or w is None else (b, w)
+        if b is None or w is None:
+            return None
+        ready = self.ready
+        return (b, w) if ready is None or (b, w) in ready else None
 
-    def _inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    @property
+    def num_buckets(self) -> int:
+        """How many (batch, width) programs cover every step this program takes."""
+        return len(self.batch_sizes) * len(self.widths)
+
+    @property
+    def compiling(self) -> bool:
+        """Whether buckets are still being compiled in the background."""
+        return self._background is not None and self._background.is_alive()
+
+    def compile_in_background(self, threads: int | None = None) -> None:
+        """Compile every bucket in a background thread, smallest first, each when the engine is idle (or after
+        :data:`COMPILE_WAIT_FOR_IDLE_S` of waiting for that); until a bucket is ready, the steps it would run
+        go eagerly (:meth:`buckets_for` says None). ``threads``: the CPU thread count steps of the
+        compiled buckets run on (each program is built for one); the engine keeps to it while this runs.
+
+        The dummy steps only *read* the pool (a program returns its new K/V; :meth:`run` stores them), so
+        compiling beside live requests leaves their K/V alone."""
+        if self._background is not None:
+            return
+        self.ready = set()
+        pairs = sorted((b, w) for b in self.batch_sizes for w in self.widths)
+        self._background = threading.Thread(target=self._compile_all, args=(pairs, threads),
+                                            name="minipd-compile-decode", daemon=True)
+        _background_started()
+        self._background.start()
+
+    def _compile_all(self, pairs: list[tuple[int, int]], threads: int | None) -> None:
+        import torch._inductor.config as inductor_config
+
+        start = time.perf_counter()
+        try:
+            # Grad mode is per thread (the steps run in inference mode); one compile thread: no pool of compile
+            # processes beside a server (they would outlive nothing, but show up as its children).
+            with torch.inference_mode(), inductor_config.patch(compile_threads=1):
+                for rows, cols in pairs:
+                    waited = 0.0
+                    while not self.idle.wait(0.1) and waited < COMPILE_WAIT_FOR_IDLE_S and not self._stop.is_set():
+                        waited += 0.1
+                    if self._stop.is_set():
+                        return
+                    if threads is not None and torch.get_num_threads() != threads:
+                        torch.set_num_threads(threads)
+                    self._trace((rows, cols))
+                    self.ready.add((rows, cols))  # type: ignore[union-attr]
+                    self.ready_after.append(time.perf_counter() - start)
+        except Exception as err:  # a compiler failure leaves the engine eager, not broken
+            logger.warning("compile_decode: background compilation stopped (%s: %s); steps it did not cover run "
+                           "eagerly", type(err).__name__, err)
+        finally:
+            _background_ended()
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the background compilation is over (every bucket ready, or it stopped); returns whether
+        it is over."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return not self.compiling
+
+    def stop_compiling(self, timeout: float | None = None) -> None:
+        """Compile no further bucket (the one being compiled finishes first: up to ``timeout`` seconds)."""
+        self._stop.set()
+        if self._background is not None:
+            self._background.join(timeout)
+
+    def _trace(self, bucket: tuple[int, int]) -> None:
+        """Build ``bucket``'s program by calling it once on its own dummy inputs (nothing is stored)."""
+        ids, pos, tables, lens = self._inputs(bucket, dummy=True)
+        self._call(bucket, ids, pos, tables, lens)
+        self.compiled.add(bucket)
+
+    def _call(self, bucket: tuple[int, int], ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
+              lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (bucket, torch.get_num_threads())
+        if key in self._traced:
+            return self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+        # May trace: raise dynamo's limits for this call only (a patch costs ~30 us, too much per step).
+        limit = 2 * CompiledDecode._graphs + 8
+        with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
+                                        accumulated_recompile_limit=max(
+                                            limit, torch._dynamo.config.accumulated_recompile_limit)):
+            out = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+        self._traced.add(key)
+        return out
+
+    def _inputs(self, bucket: tuple[int, int], dummy: bool = False) -> tuple[torch.Tensor, ...]:
         """The bucket's input tensors, allocated once: ids, positions, tables and lengths.
 
         Every call of a bucket's program sees the same tensors (what a CUDA graph needs anyway), made
         outside inference mode: the compiler guards on how an input was created, and a step's own tensors
-        would differ from call to call (a slice of the runner's buffers, or a padded copy).
+        would differ from call to call (a slice of the runner's buffers, or a padded copy). ``dummy``: a
+        separate set made the same way (background compilation must not touch what a step is filling).
         """
+        if dummy:
+            rows, cols = bucket
+            with torch.inference_mode(False):
+                return (torch.zeros(rows, dtype=torch.int64, device=self.device),
+                        torch.zeros(rows, dtype=torch.int64, device=self.device),
+                        torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
+                        torch.ones(rows, dtype=torch.int32, device=self.device))
         found = self._static.get(bucket)
         if found is None:
             rows, cols = bucket
@@ -196,16 +344,7 @@ class CompiledDecode:
         pos[:batch].copy_(positions)
         tables[:batch, :width].copy_(block_tables)
         lens[:batch].copy_(context_lens)
-        key = (bucket, torch.get_num_threads())
-        if key in self._traced:
-            logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
-        else:  # may trace: raise dynamo's limits for this call only (a patch costs ~30 us, too much per step)
-            limit = 2 * CompiledDecode._graphs + 8
-            with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
-                                            accumulated_recompile_limit=max(
-                                                limit, torch._dynamo.config.accumulated_recompile_limit)):
-                logits, new_k, new_v = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
-            self._traced.add(key)
+        logits, new_k, new_v = self._call(bucket, ids, pos, tables, lens)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
         self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))
@@ -241,6 +380,7 @@ __all__ = [
     "CompiledDecode",
     "StaticDecodeCache",
     "bucket_sizes",
+    "compiling_in_background",
     "cpu_decode_attention",
     "decode_attention_with_new",
 ]

@@ -46,10 +46,16 @@ class EngineConfig:
             :mod:`minipd.engine.threads`) or a fixed positive count.
         compile_decode: run pure-decode steps through a compiled static-shape program, one per (batch,
             block-table width) bucket (:mod:`minipd.engine.compiled_decode`; ``torch.compile``, and on a GPU a
-            CUDA graph). Dense models with an unquantized cache only. Off by default: each bucket takes tens of
-            seconds to compile on a laptop CPU.
+            CUDA graph). Dense models with an unquantized cache only. ``True``: each bucket compiles on first
+            use (seconds to tens of seconds on a laptop CPU, the step waiting for it); ``"auto"`` (the default):
+            on for a ``long_lived`` engine whose configuration it covers, compiled in the background while
+            steps run eagerly until their bucket is ready, and off for any other engine (a notebook's engine
+            is gone before the compiler pays back); ``False``: off. What was chosen, and why, is in
+            ``describe()`` and the engine's repr.
         compile_warmup: with ``compile_decode``, compile every bucket when the engine starts instead of on
-            first use.
+            first use (or in the background).
+        long_lived: this engine serves for long (``python -m minipd serve`` and the bench set it): what
+            ``compile_decode="auto"`` reads.
         compile_batch_sizes: the batch buckets (None: 1, 2, 4, then multiples of 8 up to ``max_num_seqs``);
             a decode step of more sequences than the largest runs eagerly.
         moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
@@ -108,8 +114,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     weight_dtype: str = "auto"
     cpu_threads: int | str = "auto"
-    compile_decode: bool = False
+    compile_decode: bool | str = "auto"
     compile_warmup: bool = False
+    long_lived: bool = False
     compile_batch_sizes: tuple[int, ...] | None = None
     moe_backend: str = "auto"
     moe_capacity_factor: float | None = None
@@ -245,7 +252,10 @@ class EngineConfig:
                                  "expert_parallel_size > 1 use 'loop', 'grouped_mm' or 'auto'")
 
     def _check_compile(self) -> None:
-        for name in ("compile_decode", "compile_warmup"):
+        if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
+            raise ParameterError("compile_decode",
+                                 f"compile_decode must be True, False or 'auto', got {self.compile_decode!r}")
+        for name in ("compile_warmup", "long_lived"):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         sizes = self.compile_batch_sizes
@@ -256,18 +266,18 @@ class EngineConfig:
                                      f"compile_batch_sizes must be None or a non-empty list of batch sizes between 1 "
                                      f"and max_num_seqs ({self.max_num_seqs}), got {sizes!r}")
             self.compile_batch_sizes = tuple(sorted({int(n) for n in sizes}))
-        if self.compile_warmup and not self.compile_decode:
+        if self.compile_warmup and self.compile_decode is False:
             raise ParameterError("compile_warmup",
                                  "compile_warmup compiles the decode buckets of compile_decode: "
                                  "pass compile_decode=True")
         from minipd.kv.spec import KV_DTYPES
 
-        if self.compile_decode and self.expert_parallel_size > 1:
+        if self.compile_decode is True and self.expert_parallel_size > 1:
             # Refused here, before any rank process starts: the compiled step has no expert-parallel layers.
             raise ParameterError("compile_decode",
                                  "compile_decode covers models whose experts are all in this process; with "
                                  "expert_parallel_size > 1 pass compile_decode=False")
-        if self.compile_decode and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
+        if self.compile_decode is True and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
             raise ParameterError("compile_decode", "compile_decode reads an unquantized cache; kv_cache_dtype "
                                                    f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")
 
@@ -394,7 +404,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "cache": ("block_size", "num_kv_blocks", "kv_cache_memory", "enable_prefix_caching", "kv_cache_dtype",
               "kv_adaptive_format", "kv_adaptive_thresholds", "kv_eviction", "kv_budget", "kv_eviction_granularity"),
     "kernels": ("kernel_backend", "linear_backend", "weight_dtype", "cpu_threads"),
-    "compile": ("compile_decode", "compile_warmup", "compile_batch_sizes"),
+    "compile": ("compile_decode", "compile_warmup", "compile_batch_sizes", "long_lived"),
     "moe": ("moe_backend", "moe_capacity_factor", "moe_overflow", "router_dtype", "moe_dispatch_dtype",
             "expert_parallel_size", "expert_parallel_timeout", "expert_parallel_overlap", "record_routing"),
     "snapshots": ("snapshot_interval", "snapshot_path"),

@@ -114,12 +114,49 @@ class EngineCore(StepCore):
                                   config.max_num_seqs, max_model_len,
                                   attention_observer=None if self.evictor is None else self.evictor.attention_observer)
         super().__init__(scheduler, self.runner, max_model_len, clock=clock, stats_history=config.stats_history)
-        if config.compile_decode:
+        #: Whether decode steps are compiled, and why (``compile_decode="auto"`` resolved): for describe().
+        self.compile_choice = self._choose_compile()
+        if self.compile_choice[0]:
             self.runner.compiled = self._compile_decode(max_model_len)
         self._imports: dict[str, PackedKV] = {}
         self._reservations: dict[str, BlockAllocation] = {}
         #: A step whose eviction failed (done again before the next step), and the error kept for the caller.
         self._pending_eviction: ScheduledBatch | None = None
+
+    def _choose_compile(self) -> tuple[bool, str]:
+        """``compile_decode`` resolved: (on, why). ``"auto"`` compiles a long-lived engine whose configuration
+        the compiled step covers, and says what kept it off otherwise; ``True`` refuses what it cannot cover."""
+        setting = self.config.compile_decode
+        if setting is not True and setting != "auto":
+            return False, "asked for"
+        from minipd.kv.spec import KV_DTYPES
+
+        uncovered = ("mixture-of-experts layers" if self.moe_layers else
+                     "multi-head latent attention" if self.model.config.is_mla else
+                     f"kv_cache_dtype={self.config.kv_cache_dtype!r}" if self.config.kv_cache_dtype not in (
+                         "auto", *KV_DTYPES) else
+                     "experts in other processes" if self.config.expert_parallel_size > 1 else None)
+        if setting is True:
+            if uncovered is not None and uncovered.startswith(("mixture", "multi")):
+                raise ValueError(f"compile_decode covers dense attention models; this model has {uncovered}: "
+                                 "pass compile_decode=False")
+            return True, "asked for"
+        if uncovered is not None:
+            return False, f"auto: the compiled step does not cover {uncovered}"
+        if self.evictor is not None:
+            return False, "auto: token eviction observes attention, which the compiled step does not expose"
+        if not self.config.long_lived:
+            return False, "auto: a short-lived engine (long_lived=False); compile_decode=True compiles"
+        if self.device.type != "cpu":
+            # Captured CUDA graphs must not be built beside running steps: compile them at start, when asked.
+            return False, "auto: on a GPU pass compile_decode=True (with compile_warmup=True to compile at start)"
+        if not self._compiled_attention_is_the_kernel():
+            return False, ("auto: the torch attention needs a program per table width; the C++ kernel "
+                           "(python -m minipd build-kernels; fp32 model and cache) needs one per batch size")
+        return True, "auto: a long-lived engine"
+
+    def _compiled_attention_is_the_kernel(self) -> bool:
+        return self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
@@ -134,21 +171,19 @@ class EngineCore(StepCore):
             decode_attention_with_new,
         )
 
-        # (Quantized and adaptive caches are refused by EngineConfig, from kv_cache_dtype alone.)
-        if self.moe_layers or self.model.config.is_mla:
-            raise ValueError("compile_decode covers dense attention models; this model has "
-                             f"{'mixture-of-experts layers' if self.moe_layers else 'multi-head latent attention'}: "
-                             "pass compile_decode=False")
+        # (What it does not cover was refused or turned off by _choose_compile.)
         # The C++ kernel reads fp32 pools only, up to each length (no need to bucket the table's width); an
         # fp16/bf16 pool goes through the torch attention, which casts what it gathers.
-        kernel = self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
+        kernel = self._compiled_attention_is_the_kernel()
         attend = cpu_decode_attention if kernel else decode_attention_with_new
         sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
                                   width_buckets=not kernel)
+        cpu = self.device.type == "cpu"
         if self.config.compile_warmup:
-            cpu = self.device.type == "cpu"
             compiled.warm_up(threads=(lambda rows: self._compiled_threads()) if cpu else None)
+        elif self.config.compile_decode == "auto":
+            compiled.compile_in_background(self._compiled_threads() if cpu else None)
         return compiled
 
     def _compiled_threads(self) -> int:
@@ -160,10 +195,20 @@ class EngineCore(StepCore):
         2.3 ms on one). Every bucket uses the same count, so none is traced twice."""
         return self.default_threads if self.config.cpu_threads == "auto" else int(self.config.cpu_threads)
 
+    def _describe_compile(self) -> str:
+        compiled, (on, why) = self.runner.compiled, self.compile_choice
+        if compiled is None:
+            return "off" if why == "asked for" else f"off ({why})" if not on else "off (the compiler refused a program)"
+        what = f"{len(compiled.batch_sizes)} batch sizes"
+        if compiled.ready is not None:
+            what += f", {len(compiled.ready)} of {compiled.num_buckets} programs ready"
+            if compiled.compiling:
+                what += ", compiling in the background"
+        return f"on ({what}{'' if why == 'asked for' else '; ' + why})"
+
     def describe(self) -> dict:
         """What this engine actually runs with (after "auto" choices and fallbacks): kernels, linears, KV
         format and pool, compiled decode, MoE path."""
-        compiled = self.runner.compiled
         dtype = str(self.dtype).removeprefix("torch.")
         info = {"device": str(self.device), "dtype": dtype,
                 "kernel_backend": self.kernels.name, "linear_backend": self.linear_backend,
@@ -172,8 +217,7 @@ class EngineCore(StepCore):
                 "kv_cache_dtype": (self.config.kv_cache_dtype if self.config.kv_cache_dtype != "auto"
                                    else str(self.kv_spec.dtype).removeprefix("torch.")),
                 "num_kv_blocks": self.block_manager.num_blocks, "block_size": self.config.block_size,
-                "compile_decode": (f"on ({len(compiled.batch_sizes)} batch sizes)" if compiled is not None
-                                   else "off"),
+                "compile_decode": self._describe_compile(),
                 "scheduling_policy": self.scheduler.policy.name, "cpu_threads": self.config.cpu_threads}
         if self.device.type == "cpu" and self.config.cpu_threads == "auto":
             info["one_thread_up_to_tokens"] = self.small_step_tokens
@@ -379,6 +423,9 @@ class EngineCore(StepCore):
         return batch
 
     def _enter_step(self, batch: ScheduledBatch) -> None:
+        compiled = self.runner.compiled
+        if compiled is not None:
+            compiled.idle.clear()  # (a background compilation waits for the run to end)
         if self.device.type == "cpu":
             bucket = self.runner.compiled_bucket(batch)
             self.threads.enter(self._compiled_threads() if bucket is not None else
@@ -401,6 +448,8 @@ class EngineCore(StepCore):
 
     def _run_ended(self) -> None:
         self.threads.restore()  # the run is over: the caller's thread count is back
+        if self.runner.compiled is not None:
+            self.runner.compiled.idle.set()
 
     def _forget(self, request_id: str) -> None:
         self._imports.pop(request_id, None)

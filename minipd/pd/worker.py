@@ -168,6 +168,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         from minipd.engine.factory import build_core
         from minipd.pd.transport import NixlTransport, TorchDistributedTransport
 
+        if role == "prefill" and llm_options.get("compile_decode", "auto") == "auto":
+            llm_options = {**llm_options, "compile_decode": False}  # (a prefill worker takes no decode step)
         built = build_core(model, **llm_options)  # (requests carry their EOS tokens: no tokenizer needed)
         core = built.core
         if transport["name"] == "nixl":

@@ -81,9 +81,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_engine(model: str, options: dict[str, Any]) -> Any:
-    """An :class:`~minipd.async_llm.AsyncLLM` over ``LLM`` or, with ``num_prefill_workers``, ``DisaggregatedLLM``."""
+    """An :class:`~minipd.async_llm.AsyncLLM` over ``LLM`` or, with ``num_prefill_workers``, ``DisaggregatedLLM``.
+
+    A server's engine is long-lived (``long_lived=True`` unless the options say otherwise): under
+    ``compile_decode="auto"`` its decode steps are compiled, in the background."""
     from minipd.async_llm import AsyncLLM
 
+    options = {"long_lived": True, **options}
     if options.get("num_prefill_workers"):
         from minipd.pd.llm import DisaggregatedLLM
 
@@ -202,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"minipd: loading {args.model} ({'disaggregated' if args.prefill_workers else 'colocated'})...",
           flush=True)
     engine = build_engine(args.model, options)
+    info = engine.llm.describe()
+    compiled = info.get("compile_decode", info.get("decode_engine", {}).get("compile_decode", "off"))
+    print(f"minipd: compiled decode steps: {compiled}", flush=True)
     try:
         admission = None if limit is None else (lambda load: load.in_flight < limit)
         app = build_app(engine, name, args.max_body_bytes or MAX_BODY_BYTES, admission)
