@@ -110,8 +110,14 @@ def _kvquality(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import threading
+
+    from tqdm.std import tqdm
+
     from minipd.serve.server import main as serve_main
 
+    # (tqdm's default lock includes a multiprocessing semaphore, which the os._exit below would leak.)
+    tqdm.set_lock(threading.RLock())
     code = serve_main(args)
     from minipd.engine.compiled_decode import compiling_in_background
 

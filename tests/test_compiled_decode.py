@@ -255,3 +255,18 @@ def test_auto_leaves_short_lived_engines_and_what_it_does_not_cover_eager():
     assert "token eviction observes attention" in evicting.describe()["compile_decode"]
     torch_attention = LLM("tiny-py", long_lived=True, kernel_backend="torch")
     assert "the torch attention needs a program per table width" in torch_attention.describe()["compile_decode"]
+
+
+def test_a_long_lived_disaggregated_engine_compiles_in_its_decode_worker_only():
+    from minipd.pd.llm import DisaggregatedLLM
+
+    need_cpu_kernel()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = LLM("tiny-py", max_model_len=64).generate(PROMPTS[:2], params)
+    with DisaggregatedLLM("tiny-py", long_lived=True, compile_batch_sizes=[1, 2], max_num_seqs=2, max_model_len=64,
+                          kv_transport="torch", start_timeout=120) as llm:
+        info = llm.describe()
+        assert info["decode_engine"]["compile_decode"].endswith("auto: a long-lived engine)"), info
+        assert info["prefill_engine"]["compile_decode"] == "off", info  # a prefill worker takes no decode step
+        got = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -68,7 +69,11 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
 
     ``key`` signs every message both ways (a fresh one per front end)."""
     import zmq
+    from tqdm.std import tqdm
 
+    # tqdm's default lock includes a multiprocessing semaphore (the compiler makes progress bars, even hidden
+    # ones): the os._exit below would leave it registered, and the front end's exit would warn of a leak.
+    tqdm.set_lock(threading.RLock())
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     pull.connect(inbox)
