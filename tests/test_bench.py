@@ -78,7 +78,7 @@ def test_bench_prints_every_comparison():
                    "minipd, eager", "HF static cache + torch.compile", "TPOT minipd / HF static + compile",
                    "median", "[random, seed 0]", "TPOT minipd / one pass over the weights", "machine: ",
                    "engine: on (", "auto: a long-lived engine", "first decode program ready",
-                   "warm start (a second process, same engine)"):
+                   "warm start (a second process, same engine)", "minipd, bf16"):
         assert needle in text, needle
 
 

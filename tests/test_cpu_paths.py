@@ -245,6 +245,19 @@ def test_int8_weights_in_the_engine_and_in_the_quality_table():
         LLM("tiny-py", weight_dtype="int4")
 
 
+def test_a_bf16_model_is_measured_like_a_kv_format():
+    # dtype="bfloat16" (opt-in, for CPUs with bf16 arithmetic) changes every number of the model: its cost is
+    # measured like the KV formats', against the fp32 reference, and must be small but not zero.
+    from minipd.evaluation.kv_quality import measure, method_options
+
+    assert method_options("model-bf16") == {"dtype": "bfloat16"}
+    reference, bf16 = measure("tiny-py", ["model-bf16"], window=64, num_windows=2, greedy_prompts=2,
+                              greedy_tokens=24, num_probes=1, progress=False)
+    assert reference.method == "auto" and reference.mean_kl == pytest.approx(0, abs=1e-6)
+    assert bf16.method == "model-bf16" and bf16.bytes_per_token == reference.bytes_per_token / 2
+    assert 0 < bf16.mean_kl < 0.05 and abs(bf16.perplexity_change) < 0.05 and bf16.greedy_equal > 0.3
+
+
 def test_two_engines_on_one_model_keep_their_own_linears():
     """Packing (oneDNN) and int8 quantization apply to the engine's view of the model, never to a model
     another engine (or the caller) holds: each engine runs the linears it asked for."""

@@ -66,11 +66,14 @@ class QualityReport:
 def method_options(method: str) -> dict[str, Any]:
     """Engine options for a method name: a ``kv_cache_dtype`` (``"int8"``), or a press and a token budget
     (``"sink-window:64"``; ``"sink-window:64@token"`` to rank single tokens), optionally after a dtype
-    (``"int8+knorm:64"``). ``"weights-int8"`` asks for int8 weights (``weight_dtype``), not a cache format."""
+    (``"int8+knorm:64"``). ``"weights-int8"`` asks for int8 weights (``weight_dtype``), not a cache format;
+    ``"model-bf16"`` runs the whole model in bfloat16 (weights, activations and its cache: ``dtype``)."""
     options: dict[str, Any] = {}
     for part in method.split("+"):
         if part == "weights-int8":
             options["weight_dtype"] = "int8"
+        elif part == "model-bf16":
+            options["dtype"] = "bfloat16"
         elif ":" in part:
             press, budget = part.split(":", 1)
             budget, _, granularity = budget.partition("@")
@@ -215,14 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=["fp16", "fp8", "int8"],
                         help=f"kv_cache_dtype values ({', '.join(d for d in KV_CACHE_DTYPES if d != 'auto')}), "
                              "presses with a token budget (sink-window:64, knorm:64, random:64), or both "
-                             "(int8+sink-window:64); weights-int8 for int8 weights instead of a cache format")
+                             "(int8+sink-window:64); weights-int8 for int8 weights instead of a cache format, "
+                             "model-bf16 for the whole model in bfloat16")
     parser.add_argument("--windows", type=int, default=6, help="256-token held-out windows scored (>= 1)")
     args = parser.parse_args(argv)
     if args.windows < 1:
         parser.error("--windows must be at least 1")
     for method in args.methods:
         try:
-            EngineConfig(**method_options(method))
+            EngineConfig(**{k: v for k, v in method_options(method).items() if k != "dtype"})
         except ValueError as err:
             parser.error(f"method {method!r}: {err}")
     reports = measure(args.model, args.methods, num_windows=args.windows)
