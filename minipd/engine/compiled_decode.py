@@ -23,10 +23,10 @@ in the background (:meth:`CompiledDecode.compile_in_background`): smallest bucke
 bucket is not ready yet run eagerly, so no step ever waits for the compiler. The weights are inputs of
 the program, read where they lie (not frozen into it as constants: that saved nothing a step here, and
 a frozen program cannot be reloaded whole from the compiler's on-disk cache, so a second start of the same
-engine took 4.2 s to ready its first program instead of 2.9). Steps the
-compiled program does not cover run eagerly: anything with a prefill chunk, a batch or context beyond
-the largest bucket, a layer hook (layer-wise KV transfer) or an attention observer (eviction by received
-attention), prompt log-probabilities.
+engine took 4.2 s to ready its first program instead of 2.9). Steps the compiled program does not cover
+run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a layer hook
+(layer-wise KV transfer) or an attention observer (eviction by received attention), prompt
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -229,8 +229,8 @@ class CompiledDecode:
     def compile_in_background(self, threads: int | None = None) -> None:
         """Compile every bucket in a background thread, smallest first, each when the engine is idle (or after
         :data:`COMPILE_WAIT_FOR_IDLE_S` of waiting for that); until a bucket is ready, the steps it would run
-        go eagerly (:meth:`buckets_for` says None). ``threads``: the CPU thread count steps of the
-        compiled buckets run on (each program is built for one); the engine keeps to it while this runs.
+        go eagerly (:meth:`buckets_for` says None). ``threads``: the CPU thread count the compiled steps run on
+        (a program is built for one); the compiling thread sets it for itself (OpenMP's count is per thread).
 
         The dummy steps only *read* the pool (a program returns its new K/V; :meth:`run` stores them), so
         compiling beside live requests leaves their K/V alone."""
@@ -282,8 +282,9 @@ class CompiledDecode:
             self._background.join(timeout)
 
     def _trace(self, bucket: tuple[int, int]) -> None:
-        """Build ``bucket``'s program by calling it once on its own dummy inputs (nothing is stored)."""
-        ids, pos, tables, lens = self._inputs(bucket, dummy=True)
+        """Build ``bucket``'s program by calling it once on dummy inputs of its own (not the bucket's, which a
+        step may be filling meanwhile); nothing is stored."""
+        ids, pos, tables, lens = self._new_inputs(bucket)
         self._call(bucket, ids, pos, tables, lens)
         self.compiled.add(bucket)
 
@@ -301,29 +302,25 @@ class CompiledDecode:
         self._traced.add(key)
         return out
 
-    def _inputs(self, bucket: tuple[int, int], dummy: bool = False) -> tuple[torch.Tensor, ...]:
-        """The bucket's input tensors, allocated once: ids, positions, tables and lengths.
+    def _new_inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths), made outside inference
+        mode: the compiler guards on how an input was created."""
+        rows, cols = bucket
+        with torch.inference_mode(False):
+            return (torch.zeros(rows, dtype=torch.int64, device=self.device),
+                    torch.zeros(rows, dtype=torch.int64, device=self.device),
+                    torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
+                    torch.ones(rows, dtype=torch.int32, device=self.device))
 
-        Every call of a bucket's program sees the same tensors (what a CUDA graph needs anyway), made
-        outside inference mode: the compiler guards on how an input was created, and a step's own tensors
-        would differ from call to call (a slice of the runner's buffers, or a padded copy). ``dummy``: a
-        separate set made the same way (background compilation must not touch what a step is filling).
+    def _inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        """The bucket's input tensors, allocated once.
+
+        Every call of a bucket's program sees the same tensors (what a CUDA graph needs anyway): a step's
+        own tensors would differ from call to call (a slice of the runner's buffers, or a padded copy).
         """
-        if dummy:
-            rows, cols = bucket
-            with torch.inference_mode(False):
-                return (torch.zeros(rows, dtype=torch.int64, device=self.device),
-                        torch.zeros(rows, dtype=torch.int64, device=self.device),
-                        torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
-                        torch.ones(rows, dtype=torch.int32, device=self.device))
         found = self._static.get(bucket)
         if found is None:
-            rows, cols = bucket
-            with torch.inference_mode(False):
-                found = (torch.zeros(rows, dtype=torch.int64, device=self.device),
-                         torch.zeros(rows, dtype=torch.int64, device=self.device),
-                         torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
-                         torch.ones(rows, dtype=torch.int32, device=self.device))
+            found = self._new_inputs(bucket)
             if self.device.type == "cuda":  # replayed graphs read them in place, with no copy in
                 for t in found:
                     torch._dynamo.mark_static_address(t)

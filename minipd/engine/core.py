@@ -131,16 +131,16 @@ class EngineCore(StepCore):
             return False, "asked for"
         from minipd.kv.spec import KV_DTYPES
 
-        uncovered = ("mixture-of-experts layers" if self.moe_layers else
-                     "multi-head latent attention" if self.model.config.is_mla else
-                     f"kv_cache_dtype={self.config.kv_cache_dtype!r}" if self.config.kv_cache_dtype not in (
-                         "auto", *KV_DTYPES) else
-                     "experts in other processes" if self.config.expert_parallel_size > 1 else None)
-        if setting is True:
-            if uncovered is not None and uncovered.startswith(("mixture", "multi")):
-                raise ValueError(f"compile_decode covers dense attention models; this model has {uncovered}: "
+        model_gap = ("mixture-of-experts layers" if self.moe_layers else
+                     "multi-head latent attention" if self.model.config.is_mla else None)
+        if setting is True:  # (a quantized cache or remote experts were refused by EngineConfig already)
+            if model_gap is not None:
+                raise ValueError(f"compile_decode covers dense attention models; this model has {model_gap}: "
                                  "pass compile_decode=False")
             return True, "asked for"
+        uncovered = model_gap or (
+            f"kv_cache_dtype={self.config.kv_cache_dtype!r}" if self.config.kv_cache_dtype not in ("auto", *KV_DTYPES)
+            else "experts in other processes" if self.config.expert_parallel_size > 1 else None)
         if uncovered is not None:
             return False, f"auto: the compiled step does not cover {uncovered}"
         if self.evictor is not None:
