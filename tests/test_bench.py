@@ -146,5 +146,6 @@ def test_the_bench_says_why_a_model_gets_no_compiled_decode(capsys):
     from minipd import LLM
     from minipd.bench.hf import _compiled_or_why
 
-    assert _compiled_or_why("minipd, compile_decode", LLM, "tiny-py-moe", compile_batch_sizes=(1,)) is None
-    assert "minipd, compile_decode: not run (compile_decode covers dense attention models" in capsys.readouterr().out
+    assert _compiled_or_why("minipd, compile_decode", LLM, "tiny-py-moe", compile_batch_sizes=(1,),
+                            record_routing=True) is None
+    assert "minipd, compile_decode: not run (compile_decode does not cover record_routing" in capsys.readouterr().out

@@ -131,9 +131,45 @@ def test_bad_compile_options_name_the_field(options, message):
         EngineConfig(**options)
 
 
-def test_compile_decode_refuses_models_it_does_not_cover():
-    with pytest.raises(ValueError, match="compile_decode covers dense attention models"):
-        LLM("tiny-py-moe", compile_decode=True)
+def test_compile_decode_refuses_what_it_does_not_cover(tmp_path):
+    with pytest.raises(ValueError, match="compile_decode does not cover record_routing: pass compile_decode=False"):
+        LLM("tiny-py-moe", compile_decode=True, record_routing=True)
+    with pytest.raises(ValueError, match="compile_decode does not cover moe_capacity_factor"):
+        LLM("tiny-py-moe", compile_decode=True, moe_capacity_factor=1.25)
+    make_hf_model(tmp_path, "deepseek_v3")
+    with pytest.raises(ValueError, match="compile_decode does not cover multi-head latent attention"):
+        LLM(str(tmp_path), compile_decode=True)
+
+
+def test_compiled_decode_covers_mixture_of_experts():
+    # A compiled MoE step runs every expert on every row and keeps each token's chosen ones (no shape depends
+    # on the routing): same greedy tokens and log-probabilities as the eager engine, which runs them by expert.
+    from minipd.moe.dispatch import LocalDispatcher
+    from minipd.moe.experts import StackedExperts
+
+    torch.manual_seed(0)
+    experts = StackedExperts(8, 32, 48)
+    with torch.no_grad():
+        for weight in experts.parameters():
+            weight.normal_()
+        rows, weights = torch.randn(5, 32), torch.rand(5, 2)
+        ids = torch.stack([torch.randperm(8)[:2] for _ in range(5)])
+        torch.testing.assert_close(experts.every_expert(rows, weights, ids),
+                                   LocalDispatcher(8).run(rows, weights, ids, experts), rtol=1e-5, atol=1e-3)
+    options = dict(max_model_len=64, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (24, 12, 5)]
+    eager = LLM("tiny-py-moe", **options).generate(PROMPTS, params)
+    llm = LLM("tiny-py-moe", compile_decode=True, compile_batch_sizes=(4,), **options)
+    compiled = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    for a, b in zip(compiled, eager, strict=True):
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert all(step_a[t] == pytest.approx(step_b[t], abs=1e-4) for t in step_a)
+    assert llm.engine.core.runner.compiled.compiled == {(4, 4)}
+    # Past 16 rows running every expert costs more than it saves: the default buckets of an MoE model stop there.
+    wide = LLM("tiny-py-moe", compile_decode=True, max_num_seqs=64, max_model_len=64).engine.core.runner.compiled
+    assert max(wide.batch_sizes) == 16
 
 
 def test_buckets_run_on_the_threads_they_were_compiled_for():
@@ -245,9 +281,9 @@ def test_auto_leaves_short_lived_engines_and_what_it_does_not_cover_eager():
     assert LLM("tiny-py").describe()["compile_decode"] == \
         "off (auto: a short-lived engine (long_lived=False); compile_decode=True compiles)"
     assert LLM("tiny-py", compile_decode=False, long_lived=True).describe()["compile_decode"] == "off"
-    moe = LLM("tiny-py-moe", long_lived=True)
+    moe = LLM("tiny-py-moe", long_lived=True, record_routing=True)
     assert moe.engine.core.runner.compiled is None
-    assert moe.describe()["compile_decode"] == "off (auto: the compiled step does not cover mixture-of-experts layers)"
+    assert moe.describe()["compile_decode"] == "off (auto: the compiled step does not cover record_routing)"
     quantized = LLM("tiny-py", long_lived=True, kv_cache_dtype="int8")
     assert quantized.describe()["compile_decode"] == \
         "off (auto: the compiled step does not cover kv_cache_dtype='int8')"

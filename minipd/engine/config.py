@@ -46,7 +46,8 @@ class EngineConfig:
             :mod:`minipd.engine.threads`) or a fixed positive count.
         compile_decode: run pure-decode steps through a compiled static-shape program, one per (batch,
             block-table width) bucket (:mod:`minipd.engine.compiled_decode`; ``torch.compile``, and on a GPU a
-            CUDA graph). Dense models with an unquantized cache only. ``True``: each bucket compiles on first
+            CUDA graph). Dense and MoE models (MoE: local experts, no capacity bound, no routing record;
+            up to 16 rows a step) with an unquantized cache; not MLA. ``True``: each bucket compiles on first
             use (seconds to tens of seconds on a laptop CPU, the step waiting for it); ``"auto"`` (the default):
             on for a ``long_lived`` engine whose configuration it covers, compiled in the background while
             steps run eagerly until their bucket is ready, and off for any other engine (a notebook's engine

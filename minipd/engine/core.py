@@ -131,16 +131,19 @@ class EngineCore(StepCore):
             return False, "asked for"
         from minipd.kv.spec import KV_DTYPES
 
-        model_gap = ("mixture-of-experts layers" if self.moe_layers else
-                     "multi-head latent attention" if self.model.config.is_mla else None)
+        config = self.config
+        model_gap = ("multi-head latent attention" if self.model.config.is_mla else
+                     None if not self.moe_layers else
+                     "moe_capacity_factor (drops by capacity)" if config.moe_capacity_factor is not None else
+                     "record_routing" if config.record_routing else
+                     "moe_backend='triton'" if config.moe_backend == "triton" else None)
         if setting is True:  # (a quantized cache or remote experts were refused by EngineConfig already)
             if model_gap is not None:
-                raise ValueError(f"compile_decode covers dense attention models; this model has {model_gap}: "
-                                 "pass compile_decode=False")
+                raise ValueError(f"compile_decode does not cover {model_gap}: pass compile_decode=False")
             return True, "asked for"
         uncovered = model_gap or (
-            f"kv_cache_dtype={self.config.kv_cache_dtype!r}" if self.config.kv_cache_dtype not in ("auto", *KV_DTYPES)
-            else "experts in other processes" if self.config.expert_parallel_size > 1 else None)
+            f"kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype not in ("auto", *KV_DTYPES)
+            else "experts in other processes" if config.expert_parallel_size > 1 else None)
         if uncovered is not None:
             return False, f"auto: the compiled step does not cover {uncovered}"
         if self.evictor is not None:
@@ -170,13 +173,17 @@ class EngineCore(StepCore):
             cpu_decode_attention,
             decode_attention_with_new,
         )
+        from minipd.kernels.cpu_linear import TRACED_SUM_ROWS
 
         # (What it does not cover was refused or turned off by _choose_compile.)
         # The C++ kernel reads fp32 pools only, up to each length (no need to bucket the table's width); an
         # fp16/bf16 pool goes through the torch attention, which casts what it gathers.
         kernel = self._compiled_attention_is_the_kernel()
         attend = cpu_decode_attention if kernel else decode_attention_with_new
-        sizes = self.config.compile_batch_sizes or bucket_sizes(self.config.max_num_seqs)
+        # A compiled MoE step runs every expert on every row (StackedExperts.every_expert): it pays up to the
+        # rows a multiply-and-sum serves (16); bigger decode batches of an MoE model run eagerly, by expert.
+        largest = self.config.max_num_seqs if not self.moe_layers else min(self.config.max_num_seqs, TRACED_SUM_ROWS)
+        sizes = self.config.compile_batch_sizes or bucket_sizes(largest)
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
                                   width_buckets=not kernel)
         cpu = self.device.type == "cpu"

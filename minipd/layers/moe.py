@@ -91,7 +91,11 @@ class MoE(nn.Module):
         # The routed experts get the rows as a quantized all-to-all would deliver them (the shared expert
         # runs where the token is, on the rows as they are).
         fused = self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher)
-        if not fused and not capped:
+        if torch.compiler.is_compiling() and isinstance(self.dispatcher, LocalDispatcher) and not capped:
+            # A compiled program has fixed shapes: no sorting rows by expert (see StackedExperts.every_expert).
+            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
+            out = self.experts.every_expert(rows, weights, expert_ids)
+        elif not fused and not capped:
             out = self.dispatcher.run(hidden, weights, expert_ids, self.experts, self.dispatch_format)
         else:
             rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
