@@ -124,7 +124,9 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
     (dict(compile_decode=False, compile_warmup=True), "compile_warmup compiles the decode buckets"),
     (dict(compile_decode=True, compile_batch_sizes=(0, 4)), "compile_batch_sizes must be"),
     (dict(compile_decode=True, compile_batch_sizes=(4,), max_num_seqs=2), "compile_batch_sizes must be"),
-    (dict(compile_decode=True, kv_cache_dtype="int8"), "compile_decode reads an unquantized cache"),
+    (dict(compile_decode=True, kv_cache_dtype="int4"), r"compile_decode does not cover kv_cache_dtype='int4' \(KIVI"),
+    (dict(compile_decode=True, kv_cache_dtype="adaptive", enable_prefix_caching=False),
+     "compile_decode does not cover kv_cache_dtype='adaptive'"),
 ])
 def test_bad_compile_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -136,9 +138,6 @@ def test_compile_decode_refuses_what_it_does_not_cover(tmp_path):
         LLM("tiny-py-moe", compile_decode=True, record_routing=True)
     with pytest.raises(ValueError, match="compile_decode does not cover moe_capacity_factor"):
         LLM("tiny-py-moe", compile_decode=True, moe_capacity_factor=1.25)
-    make_hf_model(tmp_path, "deepseek_v3")
-    with pytest.raises(ValueError, match="compile_decode does not cover multi-head latent attention"):
-        LLM(str(tmp_path), compile_decode=True)
 
 
 def test_compiled_decode_covers_mixture_of_experts():
@@ -222,6 +221,76 @@ def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backe
     assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "int4_per_token"])
+def test_compiled_decode_reads_and_writes_a_quantized_pool_like_eager(kv_cache_dtype):
+    """Per-token formats: the program quantizes each new row and attends to it as read back from its codes, as an
+    eager step attends to the row it has just stored; the pool gets the same codes and scales."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (16, 7, 3)]
+    options = dict(kv_cache_dtype=kv_cache_dtype, max_model_len=64, max_num_seqs=4, num_kv_blocks=32)
+    eager = LLM("tiny-py", **options)
+    want = eager.generate(PROMPTS, params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    got = llm.generate(PROMPTS, params)
+    assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for token, value in step_a.items():
+                assert value == pytest.approx(step_b[token], abs=1e-3)
+    # The same blocks were used in the same order: the pools hold the same codes (a row whose float K/V differ in
+    # the last bits between the two programs may round one code the other way) and the same scales.
+    mine, theirs = llm.engine.core.pool, eager.engine.core.pool
+    for codes, want_codes in ((mine.k, theirs.k), (mine.v, theirs.v)):
+        assert (codes == want_codes).float().mean() > 0.999
+    for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
+        torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("absorb", [True, False])
+def test_compiled_decode_covers_multi_head_latent_attention(tmp_path, monkeypatch, absorb):
+    # DeepSeek-V3's shape (tiny, random): latent rows in the pool, absorbed or expanded decode, MoE layers.
+    from minipd.layers.mla import MultiHeadLatentAttention
+
+    monkeypatch.setattr(MultiHeadLatentAttention, "absorb_decode", absorb)
+    make_hf_model(tmp_path, "deepseek_v3")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (12, 5)]
+    options = dict(max_model_len=64, max_num_seqs=2, block_size=8)
+    prompts = [[5, 9, 14, 3, 7], [11, 2, 8, 30, 4, 6, 19, 21, 1, 13]]
+    want = LLM(str(tmp_path), **options).generate(prompts, params)
+    llm = LLM(str(tmp_path), compile_decode=True, compile_batch_sizes=(2,), **options)
+    assert "latent" not in llm.describe()["compile_decode"]
+    got = llm.generate(prompts, params)
+    assert llm.engine.core.runner.compiled.compiled
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            for token, value in step_a.items():
+                assert value == pytest.approx(step_b[token], abs=1e-4)
+
+
+@pytest.mark.parametrize("press", ["sink-window", "knorm", "h2o", "snapkv"])
+def test_compiled_decode_runs_beside_eviction_presses(press, monkeypatch):
+    # Every press evicts between steps: the compiled step reads what it left. H2O and SnapKV score by received
+    # attention: the program returns each layer's queries and the press's tracker sees them after the step.
+    from minipd.engine.compiled_decode import CompiledDecode
+
+    need_cpu_kernel()
+    observed = []
+    observe = CompiledDecode.observe
+    monkeypatch.setattr(CompiledDecode, "observe", lambda self, observer: observed.append(observe(self, observer)))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 25, 9)]
+    options = dict(max_model_len=128, max_num_seqs=4, kv_eviction=press, kv_budget=24, block_size=4)
+    eager = LLM("tiny-py", **options)
+    want = _tokens(eager, params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    assert _tokens(llm, params) == want
+    assert (len(observed) > 0) == (press in ("h2o", "snapkv"))  # the tracker saw the compiled steps' queries
+    core = llm.engine.core
+    assert core.runner.compiled.compiled and core.num_evicted_blocks == eager.engine.core.num_evicted_blocks > 0
+    assert core.runner.compiled.keep_queries == (press in ("h2o", "snapkv"))
+
+
 def test_compile_decode_with_expert_parallelism_is_refused_before_any_rank_starts(monkeypatch):
     import minipd.engine.expert_ranks as ranks
 
@@ -284,11 +353,11 @@ def test_auto_leaves_short_lived_engines_and_what_it_does_not_cover_eager():
     moe = LLM("tiny-py-moe", long_lived=True, record_routing=True)
     assert moe.engine.core.runner.compiled is None
     assert moe.describe()["compile_decode"] == "off (auto: the compiled step does not cover record_routing)"
+    kivi = LLM("tiny-py", long_lived=True, kv_cache_dtype="int4")
+    assert kivi.describe()["compile_decode"] == "off (auto: the compiled step does not cover kv_cache_dtype='int4')"
+    # A quantized pool is read by the torch attention, whose programs are per table width: compile_decode=True.
     quantized = LLM("tiny-py", long_lived=True, kv_cache_dtype="int8")
-    assert quantized.describe()["compile_decode"] == \
-        "off (auto: the compiled step does not cover kv_cache_dtype='int8')"
-    evicting = LLM("tiny-py", long_lived=True, kv_eviction="snapkv", kv_budget=64)
-    assert "token eviction observes attention" in evicting.describe()["compile_decode"]
+    assert "the torch attention needs a program per table width" in quantized.describe()["compile_decode"]
     torch_attention = LLM("tiny-py", long_lived=True, kernel_backend="torch")
     assert "the torch attention needs a program per table width" in torch_attention.describe()["compile_decode"]
 

@@ -25,8 +25,12 @@ the program, read where they lie (not frozen into it as constants: that saved no
 a frozen program cannot be reloaded whole from the compiler's on-disk cache, so a second start of the same
 engine took 4.2 s to ready its first program instead of 2.9). Steps the compiled program does not cover
 run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a layer hook
-(layer-wise KV transfer) or an attention observer (eviction by received attention), prompt
-log-probabilities.
+(layer-wise KV transfer), prompt log-probabilities.
+
+Beyond a plain pool: a pool of per-token codes (int8, fp8, int4_per_token) has each new row quantized in
+the program, which attends to it as read back from its codes (as an eager step attends to the row it has
+just stored) and returns codes and scales for the pool; MLA's latent rows are kept and attended like K; for
+eviction by received attention the program also returns each layer's queries (:meth:`CompiledDecode.observe`).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minipd.kernels.backend import TORCH_BACKEND
+from minipd.kernels.mla import LatentUpProjection, paged_mla_decode_with_new
 from minipd.kernels.paged_attention import decode_attention_with_new
 from minipd.kv.paged_pool import PagedKVPool
+from minipd.kv.quant import FORMATS, QuantFormat, QuantizedLayerCache
 from minipd.models.decoder import DecoderModel
 from minipd.models.forward_context import ForwardContext
 
@@ -93,22 +99,55 @@ def cpu_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
 
 
 class StaticDecodeCache:
-    """The model's cache interface for one traced decode step: attends, and keeps each layer's new K/V."""
+    """The model's cache interface for one traced decode step: attends, and keeps each layer's new K/V.
+
+    Over a quantized pool (a per-token format: ``scales`` given) the new K/V are quantized here, in the
+    program: it keeps their codes and scales for the pool, and attention reads the new token back from its
+    codes, as an eager step reads the row it has just stored."""
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, attend: Callable[..., torch.Tensor]) -> None:
+                 context_lens: torch.Tensor, attend: Callable[..., torch.Tensor],
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None, fmt: QuantFormat | None = None,
+                 keep_queries: bool = False) -> None:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.block_tables, self.context_lens = block_tables, context_lens
         self._attend = attend
+        self.scales, self.fmt = scales, fmt
         self.new_k: list[torch.Tensor] = []
         self.new_v: list[torch.Tensor] = []
+        self.new_k_scales: list[torch.Tensor] = []
+        self.new_v_scales: list[torch.Tensor] = []
+        #: Each layer's queries, kept when an attention observer (eviction by received attention) reads them.
+        self.queries: list[torch.Tensor] | None = [] if keep_queries else None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None) -> torch.Tensor:
-        self.new_k.append(k)
-        self.new_v.append(v)
-        return self._attend(q, k, v, self.k_pool[layer_idx], self.v_pool[layer_idx], self.block_tables,
-                            self.context_lens, scale, -1 if sliding_window is None else sliding_window)
+        k_cache, v_cache = self.k_pool[layer_idx], self.v_pool[layer_idx]
+        if self.queries is not None:
+            self.queries.append(q)
+        if self.fmt is not None and self.scales is not None:
+            (k_codes, k_scales), (v_codes, v_scales) = self.fmt.quantize(k), self.fmt.quantize(v)
+            self.new_k_scales.append(k_scales)
+            self.new_v_scales.append(v_scales)
+            self.new_k.append(k_codes)
+            self.new_v.append(v_codes)
+            k, v = self.fmt.dequantize(k_codes, k_scales, q.dtype), self.fmt.dequantize(v_codes, v_scales, q.dtype)
+            k_cache = QuantizedLayerCache(k_cache, self.scales[0][layer_idx], self.fmt, q.dtype)
+            v_cache = QuantizedLayerCache(v_cache, self.scales[1][layer_idx], self.fmt, q.dtype)
+        else:
+            self.new_k.append(k)
+            self.new_v.append(v)
+        return self._attend(q, k, v, k_cache, v_cache, self.block_tables, self.context_lens, scale,
+                            -1 if sliding_window is None else sliding_window)
+
+    def attend_latent(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
+                      up: LatentUpProjection) -> torch.Tensor:
+        """Multi-head latent attention: keeps each sequence's new latent row (the pool's one "head" of K; V is
+        zero-width) and attends to it and the cached ones."""
+        self.new_k.append(rows[:, None])
+        self.new_v.append(rows.new_zeros(rows.shape[0], 1, 0))
+        return paged_mla_decode_with_new(q, rows, self.k_pool[layer_idx], self.block_tables,
+                                         self.context_lens, scale, up)
 
     def advance(self, num_tokens: int) -> None:
         """Nothing to do (the scheduler tracks what is computed)."""
@@ -148,16 +187,31 @@ class CompiledDecode:
         width_buckets: pad block tables to powers of two of blocks (True), for an attention whose cost grows
             with the padded width (the torch reference gathers it all), or always to ``max_blocks`` (False),
             for a kernel that reads each sequence's blocks only up to its length: one graph per batch size.
+        keep_queries: programs also return each layer's queries, which :meth:`observe` shows to an attention
+            observer after the step (eviction by received attention: H2O, SnapKV).
     """
 
     #: Buckets of every instance so far (see the recompile limit in ``__init__``).
     _graphs = 0
 
     def __init__(self, model: DecoderModel, pool: PagedKVPool, attend: Callable[..., torch.Tensor],
-                 batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True) -> None:
+                 batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True,
+                 keep_queries: bool = False) -> None:
+        spec = pool.spec
+        if spec.has_residual_window or hasattr(pool, "compressed_layer"):
+            raise ValueError("the compiled decode step reads a plain pool (per-head or latent) or one of per-token "
+                             "codes (int8, fp8, int4_per_token); not KIVI's residual window or an adaptive pool")
         self.model = model
         self.pool = pool
         self.attend = attend
+        #: The code format of a quantized pool (its rows are quantized in the program), None for a plain one.
+        self.fmt = FORMATS[spec.quant] if spec.quant else None
+        #: Programs also return each layer's queries, for :meth:`observe` (eviction by received attention).
+        self.keep_queries = keep_queries
+        self.last_queries: torch.Tensor | None = None
+        #: Each layer's attention scale, as its attention module passes it (what :meth:`observe` hands on).
+        self.attention_scales = {m.layer_idx: float(m.scale) for m in model.modules()
+                                 if hasattr(m, "layer_idx") and hasattr(m, "scale")}
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = _powers_of_two(max_blocks) if width_buckets else [max_blocks]
         self.device = model.embed_tokens.weight.device
@@ -176,8 +230,11 @@ class CompiledDecode:
         #: (bucket, thread count) pairs traced: a new one may trace again, under the raised limits.
         self._traced: set[tuple[tuple[int, int], int]] = set()
         # On a CPU: no per-call checks of every input's layout, which cost ~0.1 ms a step at batch 1 (the
-        # inputs are built by run() and cannot vary). Not frozen: see the module's docstring.
-        cpu_options = {"freezing": False, "size_asserts": False, "alignment_asserts": False}
+        # inputs are built by run() and cannot vary). Not frozen: see the module's docstring. Casts to fp16/bf16
+        # round as eager ones do: inductor would keep them in fp32 inside a fused loop, and a quantized pool's
+        # codes would then be computed with a scale other than the fp16 one stored beside them.
+        cpu_options = {"freezing": False, "size_asserts": False, "alignment_asserts": False,
+                       "emulate_precision_casts": True}
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
         #: (batch bucket, width bucket) pairs compiled so far.
@@ -196,16 +253,27 @@ class CompiledDecode:
         num_layers, num_blocks, block_size = pool.k.shape[:3]
         self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
         self._flat_v = pool.v.view(num_layers, num_blocks * block_size, *pool.v.shape[3:])
+        #: The per-token scales of a quantized pool, one row per token slot (None for a plain pool).
+        self._flat_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.fmt is not None and pool.k_scale is not None and pool.v_scale is not None:
+            self._flat_scales = (pool.k_scale.view(num_layers, num_blocks * block_size, -1),
+                                 pool.v_scale.view(num_layers, num_blocks * block_size, -1))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend)
+                 context_lens: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+        cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend, scales, self.fmt,
+                                  self.keep_queries)
         # The kernels are reached through ``self`` (an input of the traced call): the compiler can only wrap
         # objects it can find again. (On torch 2.11 it also failed on ForwardContext's default value: see there.)
         hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden)
-        return logits, torch.stack(cache.new_k), torch.stack(cache.new_v)
+        queries = None if cache.queries is None else torch.stack(cache.queries)
+        if scales is None:
+            return logits, torch.stack(cache.new_k), torch.stack(cache.new_v), None, None, queries
+        return (logits, torch.stack(cache.new_k), torch.stack(cache.new_v), torch.stack(cache.new_k_scales),
+                torch.stack(cache.new_v_scales), queries)
 
     def buckets_for(self, batch: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big,
@@ -289,16 +357,17 @@ class CompiledDecode:
         self.compiled.add(bucket)
 
     def _call(self, bucket: tuple[int, int], ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              lens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         key = (bucket, torch.get_num_threads())
+        pool = self.pool
         if key in self._traced:
-            return self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+            return self._step(ids, pos, tables, lens, pool.k, pool.v, pool.k_scale, pool.v_scale)
         # May trace: raise dynamo's limits for this call only (a patch costs ~30 us, too much per step).
         limit = 2 * CompiledDecode._graphs + 8
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
                                         accumulated_recompile_limit=max(
                                             limit, torch._dynamo.config.accumulated_recompile_limit)):
-            out = self._step(ids, pos, tables, lens, self.pool.k, self.pool.v)
+            out = self._step(ids, pos, tables, lens, pool.k, pool.v, pool.k_scale, pool.v_scale)
         self._traced.add(key)
         return out
 
@@ -343,12 +412,24 @@ class CompiledDecode:
         pos[:batch].copy_(positions)
         tables[:batch, :width].copy_(block_tables)
         lens[:batch].copy_(context_lens)
-        logits, new_k, new_v = self._call(bucket, ids, pos, tables, lens)
+        logits, new_k, new_v, new_k_scales, new_v_scales, queries = self._call(bucket, ids, pos, tables, lens)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
-        self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))
-        self._flat_v.index_copy_(1, slots, new_v[:, :batch].to(self.pool.v.dtype))
-        return logits[:batch]
+        self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))  # type: ignore[index]
+        self._flat_v.index_copy_(1, slots, new_v[:, :batch].to(self.pool.v.dtype))  # type: ignore[index]
+        if self._flat_scales is not None:
+            self._flat_scales[0].index_copy_(1, slots, new_k_scales[:, :batch])  # type: ignore[index]
+            self._flat_scales[1].index_copy_(1, slots, new_v_scales[:, :batch])  # type: ignore[index]
+        self.last_queries = None if queries is None else queries[:, :batch]
+        return logits[:batch]  # type: ignore[index]
+
+    def observe(self, observer: Callable[[int, torch.Tensor, object, float], None]) -> None:
+        """Show the last step's queries to ``observer(layer, q, k_cache, scale)``, layer by layer, as an eager step
+        shows them before each layer attends (its new K/V are stored by now, as they are there)."""
+        if self.last_queries is None:
+            raise RuntimeError("this compiled step keeps no queries: build it with keep_queries=True")
+        for layer, q in enumerate(self.last_queries):
+            observer(layer, q, self.pool.layer(layer, q.dtype)[0], self.attention_scales[layer])
 
     @torch.inference_mode()
     def warm_up(self, progress: bool = True, threads: Callable[[int], int | None] | None = None) -> None:

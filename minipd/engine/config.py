@@ -9,6 +9,12 @@ from types import SimpleNamespace
 from minipd.errors import ParameterError
 from minipd.sampling_params import is_integer, is_real
 
+#: KV cache formats the compiled decode step does not read, and why (every other format it does).
+COMPILE_UNCOVERED_KV: dict[str, str] = {
+    "int4": "KIVI keeps each filling block in a full-precision window that an eager step updates",
+    "adaptive": "its pages change format while the engine runs",
+}
+
 
 @dataclass
 class EngineConfig:
@@ -46,12 +52,14 @@ class EngineConfig:
             :mod:`minipd.engine.threads`) or a fixed positive count.
         compile_decode: run pure-decode steps through a compiled static-shape program, one per (batch,
             block-table width) bucket (:mod:`minipd.engine.compiled_decode`; ``torch.compile``, and on a GPU a
-            CUDA graph). Dense and MoE models (MoE: local experts, no capacity bound, no routing record;
-            up to 16 rows a step) with an unquantized cache; not MLA. ``True``: each bucket compiles on first
-            use (seconds to tens of seconds on a laptop CPU, the step waiting for it); ``"auto"`` (the default):
-            on for a ``long_lived`` engine whose configuration it covers, compiled in the background while
-            steps run eagerly until their bucket is ready, and off for any other engine (a notebook's engine
-            is gone before the compiler pays back); ``False``: off. What was chosen, and why, is in
+            CUDA graph). Dense, MoE and MLA models (MoE: local experts, no capacity bound, no routing record;
+            up to 16 rows a step), plain or per-token quantized caches (not KIVI's ``"int4"`` or
+            ``"adaptive"``), with or without an eviction press. ``True``: each bucket
+            compiles on first use (seconds to tens of seconds on a laptop CPU, the step waiting for it);
+            ``"auto"`` (the default): on for a ``long_lived`` engine whose configuration it covers and whose
+            attention is the C++ kernel (one program per batch size), compiled in the background while steps
+            run eagerly until their bucket is ready, and off for any other engine (a notebook's engine is gone
+            before the compiler pays back); ``False``: off. What was chosen, and why, is in
             ``describe()`` and the engine's repr.
         compile_warmup: with ``compile_decode``, compile every bucket when the engine starts instead of on
             first use (or in the background).
@@ -271,16 +279,16 @@ class EngineConfig:
             raise ParameterError("compile_warmup",
                                  "compile_warmup compiles the decode buckets of compile_decode: "
                                  "pass compile_decode=True")
-        from minipd.kv.spec import KV_DTYPES
-
         if self.compile_decode is True and self.expert_parallel_size > 1:
             # Refused here, before any rank process starts: the compiled step has no expert-parallel layers.
             raise ParameterError("compile_decode",
                                  "compile_decode covers models whose experts are all in this process; with "
                                  "expert_parallel_size > 1 pass compile_decode=False")
-        if self.compile_decode is True and self.kv_cache_dtype not in ("auto", *KV_DTYPES):
-            raise ParameterError("compile_decode", "compile_decode reads an unquantized cache; kv_cache_dtype "
-                                                   f"{self.kv_cache_dtype!r} runs eagerly: pass compile_decode=False")
+        if self.compile_decode is True and self.kv_cache_dtype in COMPILE_UNCOVERED_KV:
+            why = COMPILE_UNCOVERED_KV[self.kv_cache_dtype]
+            raise ParameterError("compile_decode", f"compile_decode does not cover kv_cache_dtype="
+                                                   f"{self.kv_cache_dtype!r} ({why}): pass compile_decode=False, "
+                                                   "or a per-token format ('int8', 'fp8', 'int4_per_token')")
 
     def _check_adaptive(self) -> None:
         from minipd.kv.quant import PER_TOKEN_FORMATS as formats

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minipd.engine.config import EngineConfig
+from minipd.engine.config import COMPILE_UNCOVERED_KV, EngineConfig
 from minipd.engine.eviction import Evictor
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
@@ -129,25 +129,20 @@ class EngineCore(StepCore):
         setting = self.config.compile_decode
         if setting is not True and setting != "auto":
             return False, "asked for"
-        from minipd.kv.spec import KV_DTYPES
-
         config = self.config
-        model_gap = ("multi-head latent attention" if self.model.config.is_mla else
-                     None if not self.moe_layers else
-                     "moe_capacity_factor (drops by capacity)" if config.moe_capacity_factor is not None else
-                     "record_routing" if config.record_routing else
-                     "moe_backend='triton'" if config.moe_backend == "triton" else None)
-        if setting is True:  # (a quantized cache or remote experts were refused by EngineConfig already)
-            if model_gap is not None:
-                raise ValueError(f"compile_decode does not cover {model_gap}: pass compile_decode=False")
+        gap = (None if not self.moe_layers else
+               "moe_capacity_factor (drops by capacity)" if config.moe_capacity_factor is not None else
+               "record_routing" if config.record_routing else
+               "moe_backend='triton'" if config.moe_backend == "triton" else None)
+        if setting is True:  # (KIVI/adaptive caches and remote experts were refused by EngineConfig already)
+            if gap is not None:
+                raise ValueError(f"compile_decode does not cover {gap}: pass compile_decode=False")
             return True, "asked for"
-        uncovered = model_gap or (
-            f"kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype not in ("auto", *KV_DTYPES)
+        uncovered = gap or (
+            f"kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype in COMPILE_UNCOVERED_KV
             else "experts in other processes" if config.expert_parallel_size > 1 else None)
         if uncovered is not None:
             return False, f"auto: the compiled step does not cover {uncovered}"
-        if self.evictor is not None:
-            return False, "auto: token eviction observes attention, which the compiled step does not expose"
         if not self.config.long_lived:
             return False, "auto: a short-lived engine (long_lived=False); compile_decode=True compiles"
         if self.device.type != "cpu":
@@ -159,7 +154,8 @@ class EngineCore(StepCore):
         return True, "auto: a long-lived engine"
 
     def _compiled_attention_is_the_kernel(self) -> bool:
-        return self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
+        return (self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
+                and not self.kv_spec.latent)
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).
@@ -176,16 +172,18 @@ class EngineCore(StepCore):
         from minipd.kernels.cpu_linear import TRACED_SUM_ROWS
 
         # (What it does not cover was refused or turned off by _choose_compile.)
-        # The C++ kernel reads fp32 pools only, up to each length (no need to bucket the table's width); an
-        # fp16/bf16 pool goes through the torch attention, which casts what it gathers.
+        # The C++ kernel reads fp32 per-head pools only, up to each length (no need to bucket the table's
+        # width); fp16/bf16 pools, per-token codes and MLA's latents go through torch attention that gathers
+        # the whole (bucketed) width and casts or decodes what it gathers.
         kernel = self._compiled_attention_is_the_kernel()
         attend = cpu_decode_attention if kernel else decode_attention_with_new
         # A compiled MoE step runs every expert on every row (StackedExperts.every_expert): it pays up to the
         # rows a multiply-and-sum serves (16); bigger decode batches of an MoE model run eagerly, by expert.
         largest = self.config.max_num_seqs if not self.moe_layers else min(self.config.max_num_seqs, TRACED_SUM_ROWS)
         sizes = self.config.compile_batch_sizes or bucket_sizes(largest)
+        watched = self.evictor is not None and self.evictor.tracker is not None  # eviction by received attention
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
-                                  width_buckets=not kernel)
+                                  width_buckets=not kernel, keep_queries=watched)
         cpu = self.device.type == "cpu"
         if self.config.compile_warmup:
             compiled.warm_up(threads=(lambda rows: self._compiled_threads()) if cpu else None)

@@ -109,8 +109,11 @@ class ModelRunner:
 
     def compiled_bucket(self, batch: ScheduledBatch) -> tuple[int, int] | None:
         """The bucket the compiled decode step runs ``batch`` in, or None when the step must run eagerly:
-        a prefill chunk, a row that samples nothing, prompt log-probabilities, a hook or observer, or too big."""
-        if self.compiled is None or self.layer_hook is not None or self.attention_observer is not None:
+        a prefill chunk, a row that samples nothing, prompt log-probabilities, a layer hook, an attention observer
+        the program keeps no queries for, or too big."""
+        if self.compiled is None or self.layer_hook is not None:
+            return None
+        if self.attention_observer is not None and not self.compiled.keep_queries:
             return None
         width = 0
         for r, n in batch.entries:
@@ -226,6 +229,8 @@ class ModelRunner:
                     # Every row is a decode that samples: the logits come out in row order.
                     logits = self.compiled.run(input_ids, positions, metadata.decode_block_tables,
                                                metadata.decode_context_lens, metadata.slot_mapping, bucket)
+                    if self.attention_observer is not None:
+                        self.compiled.observe(functools.partial(self.attention_observer, batch))
                     return self._sample(to_sample, logits, {})
                 except torch._dynamo.exc.FailOnRecompileLimitHit as err:
                     # Nothing was written yet (the program stores K/V after it returns): go on eagerly.

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from minipd.kernels.attention import attention
 from minipd.kernels.paged_attention import gather_kv
@@ -129,6 +130,29 @@ def paged_mla_decode_torch(q: torch.Tensor, cache: torch.Tensor, block_tables: t
         rows = rows[:, :lengths[0]]
     out_latent = absorbed_latent_attention(up.absorb_query(q), rows, mask, scale, up.kv_lora_rank)
     return up.project_values(out_latent)
+
+
+def paged_mla_decode_with_new(q: torch.Tensor, rows_new: torch.Tensor, cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                              up: LatentUpProjection) -> torch.Tensor:
+    """:func:`paged_mla_decode_torch` with static shapes and no host reads, for a compiled decode step: each
+    sequence's last position comes from ``rows_new`` (B, latent_dim), not the cache (whose slot for it need not
+    be written yet), and the whole width of ``block_tables`` is gathered, positions past ``context_lens``
+    masked. Returns (B, heads, v_head_dim)."""
+    batch, block_size, dim = q.shape[0], cache.shape[1], cache.shape[-1]
+    span = block_tables.shape[1] * block_size
+    rows = cache[block_tables].view(batch, span, dim)
+    pos = torch.arange(span, device=q.device)[None, :]
+    lens = context_lens.to(q.device)[:, None]
+    rows = torch.where((pos == lens - 1)[:, :, None], rows_new[:, None].to(rows.dtype), rows)
+    mask = pos < lens
+    if up.absorb_decode:
+        return up.project_values(absorbed_latent_attention(up.absorb_query(q), rows, mask, scale, up.kv_lora_rank))
+    k, v = up.expand(rows.reshape(batch * span, dim).to(q.dtype))
+    k = k.view(batch, span, *k.shape[1:]).transpose(1, 2)
+    v = v.view(batch, span, *v.shape[1:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.squeeze(2)
 
 
 def paged_mla_prefill_torch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
