@@ -269,11 +269,9 @@ class CompiledDecode:
         # objects it can find again. (On torch 2.11 it also failed on ForwardContext's default value: see there.)
         hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden)
-        queries = None if cache.queries is None else torch.stack(cache.queries)
-        if scales is None:
-            return logits, torch.stack(cache.new_k), torch.stack(cache.new_v), None, None, queries
-        return (logits, torch.stack(cache.new_k), torch.stack(cache.new_v), torch.stack(cache.new_k_scales),
-                torch.stack(cache.new_v_scales), queries)
+        # (Scales only for a quantized pool, queries only when kept: None otherwise.)
+        return (logits, *(torch.stack(parts) if parts else None for parts in (
+            cache.new_k, cache.new_v, cache.new_k_scales, cache.new_v_scales, cache.queries)))
 
     def buckets_for(self, batch: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big,

@@ -90,16 +90,17 @@ class MoE(nn.Module):
             self.routing_log.append(routing_summary(weights, expert_ids, self.router.num_experts))
         # The routed experts get the rows as a quantized all-to-all would deliver them (the shared expert
         # runs where the token is, on the rows as they are).
-        fused = self.experts.implementation == "triton" and isinstance(self.dispatcher, LocalDispatcher)
-        if torch.compiler.is_compiling() and isinstance(self.dispatcher, LocalDispatcher) and not capped:
-            # A compiled program has fixed shapes: no sorting rows by expert (see StackedExperts.every_expert).
-            rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
-            out = self.experts.every_expert(rows, weights, expert_ids)
-        elif not fused and not capped:
+        local = isinstance(self.dispatcher, LocalDispatcher)
+        fused = self.experts.implementation == "triton" and local
+        # A compiled program has fixed shapes: no sorting rows by expert (see StackedExperts.every_expert).
+        every = torch.compiler.is_compiling() and local and not capped
+        if not (every or fused or capped):
             out = self.dispatcher.run(hidden, weights, expert_ids, self.experts, self.dispatch_format)
         else:
             rows = hidden if self.dispatch_format is None else fake_quantize(hidden, self.dispatch_format)
-            if capped:
+            if every:
+                out = self.experts.every_expert(rows, weights, expert_ids)
+            elif capped:
                 # Over capacity, slots marked -1 are skipped (only the local dispatcher takes `dropped`).
                 batch = self.dispatcher.dispatch(rows, weights, expert_ids, dropped=True)  # type: ignore[call-arg]
                 out = self.dispatcher.combine(self.experts(batch.hidden, batch.counts), batch)
