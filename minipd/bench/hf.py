@@ -1,16 +1,12 @@
 """``python -m minipd bench``: minipd against HF transformers on the same model and requests.
 
-Three workloads, each timed for both sides in the same run, reported as a ratio:
+The workloads, each timed for both sides in the same run, reported as a ratio:
 
 - ``mixed``: 64 requests, prompts of 16–512 tokens, outputs of 16–256 (``ignore_eos``): offline
   throughput against HF padded ``generate`` and HF continuous batching (``generate_batch``'s manager);
 - ``single``: one stream of 256 new tokens: TPOT of the engine as the server runs it (long-lived: decode
   steps compiled), eager, and with int8 weights, against HF ``generate``, HF with a static cache and
   ``torch.compile``, and one pass over the weights at the machine's copy bandwidth;
-
-The engine timed as "minipd" is the server's (``long_lived=True``: ``compile_decode="auto"`` compiles its decode
-programs in the background); timing starts once every program is ready. Its start is reported (first program
-ready, all ready), and a second process then starts the same engine to time a warm start from the on-disk cache.
 - ``shared-prefix``: 32 requests sharing a 256-token prefix: prefill tokens computed and mean TTFT
   with prefix caching on and off;
 - ``pd`` (run on its own): prefill/decode interference, colocated against split workers
@@ -21,6 +17,10 @@ ready, all ready), and a second process then starts the same engine to time a wa
   kernel on a GPU) on one MoE layer (:mod:`minipd.bench.moe`);
 - ``ep`` (run on its own): expert parallelism over processes, serial against overlapped micro-batches
   against one process, and the bytes each all-to-all moves per wire format (:mod:`minipd.bench.expert_parallel`).
+
+The engine timed as "minipd" is the server's (``long_lived=True``: ``compile_decode="auto"`` compiles its decode
+programs in the background); timing starts once every program is ready. Its start is reported (first program
+ready, all ready), and a second process then starts the same engine to time a warm start from the on-disk cache.
 
 Readers' own mixes run through the same throughput comparison as ``mixed``: ``--workload random`` (a seeded
 random mix, ``--num-requests`` requests, ``--seed``; lognormal prompt and output lengths) or ``--workload
