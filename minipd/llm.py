@@ -108,6 +108,14 @@ class LLM(LLMBase):
         residual window is a fixed cost on top, see ``PagedKVPool.residual_bytes``)."""
         return self.engine.core.kv_spec.bytes_per_token
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, so that the next prompts are computed in full (vLLM's call of the same name).
+
+        Returns False, changing nothing, while requests are in progress (their blocks may be shared).
+        """
+        with self._lock:
+            return self.engine.block_manager.reset_prefix_cache()
+
     def describe(self) -> dict:
         """What this LLM's engine runs with, every "auto" resolved (kernels, linears, KV format, compiled
         decode, ...); also its ``repr``."""

@@ -169,6 +169,22 @@ def test_metrics(llm):
     assert m.prefill_tokens == len(out.prompt_token_ids)
 
 
+def test_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(llm):
+    prompt = list(range(1, 40))
+    llm.generate([prompt], GREEDY)
+    repeat = llm.generate([prompt], GREEDY)[0]
+    assert repeat.metrics.cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    fresh = llm.generate([prompt], GREEDY)[0]
+    assert fresh.metrics.cached_tokens == 0 and fresh.metrics.prefill_tokens == len(prompt)
+    assert fresh.token_ids == repeat.token_ids
+    stream = llm.stream(prompt, GREEDY)
+    next(stream)  # admitted and holding blocks: the cache cannot be emptied under it
+    assert not llm.reset_prefix_cache()
+    assert len([delta for delta in stream]) >= 1
+    assert llm.reset_prefix_cache()
+
+
 def test_max_model_len_is_checked(tmp_path):
     make_hf_model(tmp_path, "llama", max_position_embeddings=64)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -86,6 +86,26 @@ def test_freed_cached_blocks_stay_reusable_until_evicted_lru():
     assert bm.evictions == 1
 
 
+def test_reset_prefix_cache_forgets_every_block_only_when_none_is_held():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    held = computed(bm, tokens)
+    first_two = held.block_table[:2]
+    assert not bm.reset_prefix_cache()  # a sequence holds its blocks: nothing changes
+    assert bm.find_cached_prefix(tokens) == first_two
+    bm.free_blocks(held)
+    assert bm.find_cached_prefix(tokens) == first_two  # freed, still cached
+    queried = bm.stats.queried_tokens
+    assert bm.reset_prefix_cache()
+    assert bm.find_cached_prefix(tokens) == [] and bm.cached == {}
+    assert all(blk.block_hash is None for blk in bm.blocks) and bm.num_free_blocks == 8
+    assert bm.stats.queried_tokens == queried  # counters keep counting across a reset
+    again = computed(bm, tokens)  # and the cache fills again
+    refilled = again.block_table[:2]
+    bm.free_blocks(again)
+    assert bm.find_cached_prefix(tokens) == refilled
+
+
 def test_prefix_caching_off_finds_nothing():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     computed(bm, [1, 2, 3])

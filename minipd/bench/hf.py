@@ -149,9 +149,13 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 
 def run_minipd(llm, workload: Workload) -> Result:
-    """Offline generation of the whole workload by minipd's engine."""
+    """Offline generation of the whole workload by minipd's engine, every prompt computed in full."""
     from minipd import SamplingParams
 
+    # Rounds repeat the same prompts: with the prefix cache left from the last round, prefill would be
+    # skipped, which no baseline can do.
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the engine still has requests in progress: its prefix cache cannot be emptied")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     seconds, outputs = _timed(lambda: llm.generate(workload.prompts, params, use_tqdm=False))
     produced = sum(len(o.token_ids) for o in outputs)  # type: ignore[attr-defined]

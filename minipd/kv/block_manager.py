@@ -196,6 +196,21 @@ class BlockManager:
         self.stats.queried_tokens += queried_tokens
         self.stats.hit_tokens += hit_tokens
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so that no later prompt hits what earlier ones left (e.g. between
+        timed repetitions of the same prompts).
+
+        Only possible while no sequence holds a block (a held block's contents are still in use and may be
+        shared): returns False, changing nothing, otherwise; True once the cache is empty. The blocks stay
+        free; the lookup statistics keep counting.
+        """
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            if block.block_hash is not None:
+                self._forget(block)
+        return True
+
     # --------------------------------------------------------------------------- allocation
     def blocks_needed(self, alloc: BlockAllocation, num_tokens: int, cached_prefix: Sequence[int] = ()) -> int:
         """Fresh blocks required so that ``alloc`` (plus ``cached_prefix``) covers ``num_tokens`` tokens."""
