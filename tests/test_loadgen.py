@@ -9,6 +9,7 @@ a usage chunk whose ``prompt_tokens`` is the prompt's length (characters for tex
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -25,6 +26,7 @@ from minipd.serve.workload import (
     PlannedRequest,
     at_rate,
     draw_lengths,
+    prompt_ids,
     prompts_workload,
     read_prompts,
     synthetic_workload,
@@ -124,6 +126,40 @@ def test_prompts_are_chosen_by_seed_or_cycled_on_the_synthetic_schedule():
     assert [r.prompt for r in cycled] == texts + texts[:2] and {r.output_len for r in cycled} == {4}
     with pytest.raises(ValueError, match="random or cycle"):
         prompts_workload(texts, 6, 10.0, 4, order="sorted")
+
+
+def test_synthetic_prompts_share_no_prefix_block_within_or_across_runs():
+    base = list(range(1, 65))  # a text's tokens, as the fake server gives them
+    assert prompt_ids(base, 40, 3, salt=7) == prompt_ids(base, 40, 3, salt=7)  # reproducible
+    assert len(prompt_ids(base, 40, 3)) == 40 and set(prompt_ids(base, 400, 3)) <= set(base)
+    # Cutting prompts out of a periodic text gave 66 distinct prompts, shared run after run: none now.
+    blocks = [tuple(prompt_ids(base, 16, i, salt)) for salt in (0, 1) for i in range(500)]
+    assert len(set(blocks)) == len(blocks)
+    with pytest.raises(ValueError, match="no tokens"):
+        prompt_ids([], 4, 0)
+
+
+def test_each_run_of_the_load_generator_sends_prompts_no_earlier_run_sent(fake_url, monkeypatch):
+    sent: list[list[int]] = []
+    one = loadgen._one
+
+    async def recording(client, url, model, item, prompt, start, result):
+        sent.append(list(prompt))
+        await one(client, url, model, item, prompt, start, result)
+
+    monkeypatch.setattr(loadgen, "_one", recording)
+    plan = synthetic_workload(6, 500.0, 32, 2, seed=0)
+    runs = []
+    for seed in (None, None, 5, 5):
+        sent.clear()
+        results = asyncio.run(loadgen.run_load(fake_url, plan, "fake", timeout=20, progress=False, warmup=1,
+                                               prompt_seed=seed))
+        assert all(r.ok for r in results)
+        runs.append([tuple(p[:16]) for p in sent])
+    first_blocks = [set(run) for run in runs]
+    assert not first_blocks[0] & first_blocks[1]  # two default runs: fresh prompts (warm-up included)
+    assert runs[2] == runs[3] and not first_blocks[2] & (first_blocks[0] | first_blocks[1])  # a fixed seed repeats
+    assert len(first_blocks[0]) == 7  # six requests and a warm-up, all different
 
 
 def test_the_command_sends_the_prompts_of_a_file(fake_url, tmp_path):

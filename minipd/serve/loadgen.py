@@ -4,8 +4,9 @@ Requests go to ``/v1/completions`` as streams (over aiohttp) (with ``ignore_eos`
 output length planned, and ``include_usage``, so token counts are the server's, never re-tokenised) on a
 seeded schedule (:mod:`minipd.serve.workload`): open loop at ``--rate`` (Poisson or gamma arrivals, or a
 trace, replayed as recorded or scaled to ``--rate``), or closed loop with ``--concurrency`` users each sending
-the next request when the last ends. Prompts are synthetic token ids of ``--prompt-len`` tokens, or real text
-from ``--prompts FILE`` (one per line, or JSONL with ``{"prompt": ...}``).
+the next request when the last ends. Prompts are synthetic token ids of ``--prompt-len`` tokens (random tokens
+of the server's vocabulary, new ones every run, so that no run is served from the prefix cache an earlier run
+filled), or real text from ``--prompts FILE`` (one per line, or JSONL with ``{"prompt": ...}``).
 
 Per request: time to first token (TTFT), time per output token after the first (TPOT), the gaps between
 streamed chunks (ITL), end-to-end latency (E2EL), and when it was meant to be sent against when it was
@@ -25,6 +26,7 @@ import asyncio
 import datetime
 import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,7 +44,7 @@ from minipd.serve.workload import (
     trace_workload,
 )
 
-#: Text the server tokenises once; synthetic prompts are cut from its tokens.
+#: Text the server tokenises once; synthetic prompts are drawn from its tokens.
 BASE_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
              "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
              "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n") * 8
@@ -155,10 +157,14 @@ async def server_model(url: str, timeout: float = 30.0) -> str:
 
 async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | None = None,
                    concurrency: int | None = None, timeout: float = 300.0, progress: bool = True,
-                   warmup: int = 1) -> list[RequestResult]:
+                   warmup: int = 1, prompt_seed: int | None = None) -> list[RequestResult]:
     """Send ``workload`` to the server at ``url``: at each request's ``send_at`` (open loop), or, with
     ``concurrency``, that many at a time back to back (closed loop). Returns one result per request.
-    ``warmup`` requests are sent first and not counted (a fresh server's first steps pay one-time costs)."""
+    ``warmup`` requests are sent first and not counted (a fresh server's first steps pay one-time costs).
+
+    Requests without their own text get random tokens of the server's vocabulary (:func:`prompt_ids`), seeded by
+    ``prompt_seed``; by default a new seed each call, so that no run finds its prompts in the server's prefix
+    cache, left there by an earlier run (a rate sweep, a goodput search's probes, a retry)."""
     # aiohttp rather than httpx: measured here, httpx's streaming added about 4 ms to every time to first token.
     import aiohttp
     from tqdm.auto import tqdm
@@ -169,10 +175,11 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
             model = await server_model(url)
         async with client.post(f"{url}/tokenize", json={"prompt": BASE_TEXT}) as response:
             base = (await response.json())["tokens"]
-        prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i)
+        salt = secrets.randbits(64) if prompt_seed is None else prompt_seed
+        prompts = [item.prompt if item.prompt is not None else prompt_ids(base, item.prompt_len, i, salt)
                    for i, item in enumerate(workload)]
-        for i in range(warmup):
-            await _one(client, url, model, PlannedRequest(0.0, 16, 4), prompt_ids(base, 16, 10_000 + i), 0.0,
+        for i in range(warmup):  # (indices no request of the run has)
+            await _one(client, url, model, PlannedRequest(0.0, 16, 4), prompt_ids(base, 16, (1 << 40) + i, salt), 0.0,
                        RequestResult(intended=0.0))
         results = [RequestResult(intended=item.send_at) for item in workload]
         bar = tqdm(total=len(workload), desc="requests", disable=not progress, leave=False)
@@ -337,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "--output-len, send times from --rate/--burstiness)")
     parser.add_argument("--prompts-order", choices=("random", "cycle"), default="random",
                         help="with --prompts: pick at random (seeded, default) or take them in file order, cycling")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the schedule (arrivals, lengths, picks from --prompts); synthetic prompts' "
+                             "tokens are new every run")
     parser.add_argument("--goodput", nargs="*", default=[], metavar="ttft:MS",
                         help="SLOs (ttft:MS tpot:MS e2el:MS) for request_goodput and attainment")
     parser.add_argument("--search-goodput", nargs=2, type=float, default=None, metavar=("LOW", "HIGH"),

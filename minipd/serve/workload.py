@@ -190,13 +190,17 @@ def prompts_workload(prompts: Sequence[str] | str | Path, num_requests: int, rat
     return [replace(r, prompt_len=len(texts[i]), prompt=texts[i]) for r, i in zip(schedule, picks, strict=True)]
 
 
-def prompt_ids(base: list[int], length: int, index: int) -> list[int]:
-    """A prompt of ``length`` tokens cut from ``base`` (the server's tokens of a text), starting at a place that
-    depends on ``index``, so requests differ (and share prefixes only by chance)."""
+def prompt_ids(base: list[int], length: int, index: int, salt: int = 0) -> list[int]:
+    """A prompt of ``length`` tokens drawn at random from ``base`` (the server's tokens of a text), seeded by
+    ``(salt, index)``: the same pair gives the same prompt, any other pair one that shares no prefix block with
+    it but by a negligible chance (like vLLM's random dataset). Cutting prompts out of the text instead would
+    repeat its period: a run's prompts, and every later run's, would share prefixes a prefix cache serves."""
     if not base:
         raise ValueError("no tokens to build prompts from")
-    start = (index * 7919) % len(base)
-    return [base[(start + i) % len(base)] for i in range(length)]
+    if length < 0:
+        raise ValueError(f"a prompt's length is at least 0, got {length}")
+    rng = np.random.default_rng([salt & 0xFFFF_FFFF_FFFF_FFFF, index])
+    return [base[i] for i in rng.integers(0, len(base), length)]
 
 
 __all__ = ["SHAPES", "PlannedRequest", "arrival_gaps", "at_rate", "draw_lengths", "parse_lengths", "prompt_ids",
