@@ -16,7 +16,7 @@ import pytest
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.pd.transport import nixl_available
-from minipd.pd.worker import free_port
+from minipd.pd.worker import free_port, role_options
 
 
 @pytest.fixture(autouse=True)
@@ -127,3 +127,15 @@ def test_the_worker_command_refuses_bad_input_clearly():
     lonely = subprocess.run([*run, "--connect", f"tcp://127.0.0.1:{free_port()}", "--role", "decode",
                              "--join-timeout", "1"], env=env(), capture_output=True, text=True, timeout=60)
     assert lonely.returncode == 2 and "no front end answered" in lonely.stderr
+
+
+def test_a_prefill_worker_drops_decode_compilation_the_cluster_options_ask_of_decode_workers():
+    from minipd.engine.config import EngineConfig
+
+    asked = {"compile_warmup": True, "compile_batch_sizes": [1, 2], "max_num_seqs": 4}
+    prefill = role_options("prefill", asked)
+    assert prefill["compile_decode"] is False and prefill["compile_warmup"] is False
+    EngineConfig.from_options(dict(prefill))  # valid as built (compile_warmup with no compile_decode is refused)
+    assert role_options("decode", asked) == asked
+    explicit = {"compile_decode": True, "compile_warmup": True}
+    assert role_options("prefill", explicit) == explicit  # asked for by name: kept, and checked as given

@@ -63,6 +63,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def role_options(role: str, llm_options: dict) -> dict:
+    """The engine options a worker of ``role`` builds its engine with: a prefill worker takes no decode step, so
+    under ``compile_decode="auto"`` it compiles none and ignores ``compile_warmup`` (which the cluster's options
+    carry for the decode workers); an explicit ``compile_decode=True`` is kept (and checked) as given."""
+    if role == "prefill" and llm_options.get("compile_decode", "auto") == "auto":
+        return {**llm_options, "compile_decode": False, "compile_warmup": False}
+    return llm_options
+
+
 def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str, outbox: str,
                kv_lease_s: float, threads: int | None, transport: dict, key: bytes) -> None:
     """Entry point of a worker process spawned by the front end (it ends when its parent does).
@@ -173,9 +182,7 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         from minipd.engine.factory import build_core
         from minipd.pd.transport import NixlTransport, TorchDistributedTransport
 
-        if role == "prefill" and llm_options.get("compile_decode", "auto") == "auto":
-            llm_options = {**llm_options, "compile_decode": False}  # (a prefill worker takes no decode step)
-        built = build_core(model, **llm_options)  # (requests carry their EOS tokens: no tokenizer needed)
+        built = build_core(model, **role_options(role, llm_options))  # (requests carry their EOS tokens: no tokenizer needed)
         core = built.core
         if transport["name"] == "nixl":
             kv = NixlTransport(name, core.pool)
