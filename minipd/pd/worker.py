@@ -182,7 +182,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         from minipd.engine.factory import build_core
         from minipd.pd.transport import NixlTransport, TorchDistributedTransport
 
-        built = build_core(model, **role_options(role, llm_options))  # (requests carry their EOS tokens: no tokenizer needed)
+        # (Requests carry their EOS tokens: no tokenizer needed.)
+        built = build_core(model, **role_options(role, llm_options))
         core = built.core
         if transport["name"] == "nixl":
             kv = NixlTransport(name, core.pool)
