@@ -4,9 +4,9 @@ Requests go to ``/v1/completions`` as streams (over aiohttp) (with ``ignore_eos`
 output length planned, and ``include_usage``, so token counts are the server's, never re-tokenised) on a
 seeded schedule (:mod:`minipd.serve.workload`): open loop at ``--rate`` (Poisson or gamma arrivals, or a
 trace, replayed as recorded or scaled to ``--rate``), or closed loop with ``--concurrency`` users each sending
-the next request when the last ends. Prompts are synthetic token ids of ``--prompt-len`` tokens (random tokens
-of the server's vocabulary, new ones every run, so that no run is served from the prefix cache an earlier run
-filled), or real text from ``--prompts FILE`` (one per line, or JSONL with ``{"prompt": ...}``).
+the next request when the last ends. Prompts are synthetic token ids of ``--prompt-len`` tokens (drawn at random
+from the server's tokens of :data:`BASE_TEXT`, new ones every run, so that no run is served from the prefix cache
+an earlier run filled), or real text from ``--prompts FILE`` (one per line, or JSONL with ``{"prompt": ...}``).
 
 Per request: time to first token (TTFT), time per output token after the first (TPOT), the gaps between
 streamed chunks (ITL), end-to-end latency (E2EL), and when it was meant to be sent against when it was
@@ -162,9 +162,10 @@ async def run_load(url: str, workload: Sequence[PlannedRequest], model: str | No
     ``concurrency``, that many at a time back to back (closed loop). Returns one result per request.
     ``warmup`` requests are sent first and not counted (a fresh server's first steps pay one-time costs).
 
-    Requests without their own text get random tokens of the server's vocabulary (:func:`prompt_ids`), seeded by
-    ``prompt_seed``; by default a new seed each call, so that no run finds its prompts in the server's prefix
-    cache, left there by an earlier run (a rate sweep, a goodput search's probes, a retry)."""
+    Requests without their own text get tokens drawn at random from the server's tokens of :data:`BASE_TEXT`
+    (:func:`prompt_ids`), seeded by ``prompt_seed``; by default a new seed each call, so that no run finds its
+    prompts in the server's prefix cache, left there by an earlier run (a rate sweep, a goodput search's probes,
+    a retry)."""
     # aiohttp rather than httpx: measured here, httpx's streaming added about 4 ms to every time to first token.
     import aiohttp
     from tqdm.auto import tqdm
