@@ -259,6 +259,7 @@ def test_compiled_decode_covers_multi_head_latent_attention(tmp_path, monkeypatc
     prompts = [[5, 9, 14, 3, 7], [11, 2, 8, 30, 4, 6, 19, 21, 1, 13]]
     want = LLM(str(tmp_path), **options).generate(prompts, params)
     llm = LLM(str(tmp_path), compile_decode=True, compile_batch_sizes=(2,), **options)
+    assert "latent" not in llm.describe()["compile_decode"]
     got = llm.generate(prompts, params)
     assert llm.engine.core.runner.compiled.compiled
     _assert_same_outputs(got, want, 1e-4)
