@@ -153,20 +153,23 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
 
 # ------------------------------------------------------------------------ the C++ paged decode kernel
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64), (6, 2, 24)])
+# Groups of 4, 1, 8, 3 and 6 query heads (the vectorised path takes up to 4 at a time); head sizes that are
+# multiples of 16 (16, 32, 64) and of 8 only (24, 40: their last 8 entries take a narrower loop).
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64), (6, 2, 24), (12, 2, 40)])
 @pytest.mark.parametrize("window", [None, 7, 40])
-@pytest.mark.parametrize("block_size", [8, 32])  # 32: a block is taken 16 keys at a time
+@pytest.mark.parametrize("block_size", [8, 32])  # 32: a block spans chunks of 16 keys
 def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window, block_size):
     from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
     from minipd.kernels.paged_attention import paged_decode_attention_torch
 
     need_cpu_kernel()
     torch.manual_seed(heads * dim + (window or 0))
-    blocks = 40
+    blocks = 60
     k, v = torch.randn(blocks, block_size, kv_heads, dim), torch.randn(blocks, block_size, kv_heads, dim)
-    # Lengths on and off block (and 16-key chunk) boundaries, a single token, and long ones; tables shuffled.
-    lens = torch.tensor([1, 8, 9, 16, 17, 100, 33, 64, 2, 31])
-    tables = torch.stack([torch.randperm(blocks)[:14] for _ in lens])
+    # Lengths on and off block and chunk boundaries (16 and 64 keys), a single token, and long ones spanning
+    # several chunks; tables shuffled.
+    lens = torch.tensor([1, 8, 9, 16, 17, 100, 33, 64, 2, 31, 65, 200])
+    tables = torch.stack([torch.randperm(blocks)[:25] for _ in lens])
     q = torch.randn(len(lens), heads, dim)
     want = paged_decode_attention_torch(q, k, v, tables, lens, 0.2, window)
     got = paged_decode_attention_cpu(q, k, v, tables, lens, 0.2, window, context_lens_host=lens.tolist())

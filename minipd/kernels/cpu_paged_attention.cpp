@@ -29,7 +29,8 @@ constexpr int64_t kTileRows = 64, kMinTileQueries = 8, kMaxTileQueries = 32;
 constexpr float kMasked = -1e30f;
 
 // exp(x) within 2 ulps (Cody-Waite reduction, degree-6 polynomial), plain arithmetic so that loops
-// calling it vectorise (std::exp does not without -ffast-math). Inputs are clamped to [-87.3, 88.3]:
+// calling it may vectorise (std::exp does not without -ffast-math; GCC 12 keeps it scalar all the same, hence
+// exp_approx8 for AVX2). Inputs are clamped to [-87.3, 88.3]:
 // below, it returns ~1e-38 instead of 0, which only ever multiplies zeros or negligible terms here.
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
@@ -166,6 +167,138 @@ inline void transpose_keys(const float* keys, int64_t row, int64_t n, int64_t de
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define MINIPD_AVX2_PATHS 1
+// Keys per online-softmax step of the vectorised decode path (a multiple of 8): the max, the correction of
+// the accumulators and its std::exp are paid once per this many keys.
+constexpr int64_t kDecodeChunk = 64;
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one register (two rounds of hadd, one 128-bit swap).
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // lanes 0-3 and 4-7 summed apart
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp_approx on eight lanes with intrinsics: the same steps, as the compiler does not vectorise the scalar
+// version's loop here (its integer bit trick stays scalar, and was over half of the decode kernel's time).
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 shift = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift), shift);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(y, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// acc[g][d] += sum_t p[g][t] v_t[d] for G query heads (p rows kDecodeChunk apart, acc rows dim apart) and n
+// keys: each V row is loaded once for the G heads, the accumulators of 16 entries of the head dimension stay
+// in registers over all n keys.
+template <int G>
+inline void decode_pv(const float* p, float* acc, int64_t dim, const float* const* v, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    __m256 a0[G], a1[G];
+    for (int g = 0; g < G; ++g) {
+      a0[g] = _mm256_loadu_ps(acc + g * dim + d);
+      a1[g] = _mm256_loadu_ps(acc + g * dim + d + 8);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v[t] + d), v1 = _mm256_loadu_ps(v[t] + d + 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * kDecodeChunk + t);
+        a0[g] = _mm256_fmadd_ps(pg, v0, a0[g]);
+        a1[g] = _mm256_fmadd_ps(pg, v1, a1[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(acc + g * dim + d, a0[g]);
+      _mm256_storeu_ps(acc + g * dim + d + 8, a1[g]);
+    }
+  }
+  for (; d < dim; d += 8) {  // a head dimension that is an odd multiple of 8
+    __m256 a0[G];
+    for (int g = 0; g < G; ++g) a0[g] = _mm256_loadu_ps(acc + g * dim + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v[t] + d);
+      for (int g = 0; g < G; ++g) a0[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * kDecodeChunk + t), v0, a0[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * dim + d, a0[g]);
+  }
+}
+
+// One online-softmax step of a decode work item: n <= kDecodeChunk keys and values given by row pointers,
+// the group's queries qs (already scaled; group x dim), its accumulators acc (group x dim), maxima m and sums l.
+// `scores` holds group x kDecodeChunk floats; k must have round_up(n, 8) entries (the padding repeats a row).
+// Scores come from dot products, eight keys' sums reduced together (no transposed copy of the keys, which
+// cost as much as the products), the probabilities from the vectorised exp_approx, and the values are
+// accumulated by decode_pv.
+inline void decode_chunk(const float* qs, int64_t group, int64_t dim, const float* const* k, const float* const* v,
+                         int64_t n, float* scores, float* acc, float* m, float* l) {
+  const int64_t padded = (n + 7) & ~int64_t{7};
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qs + g * dim;
+    float* sg = scores + g * kDecodeChunk;
+    for (int64_t t0 = 0; t0 < padded; t0 += 8) {
+      __m256 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t0 + i] + d), a[i]);
+      }
+      _mm256_storeu_ps(sg + t0, hsum8(a));
+    }
+    for (int64_t t = n; t < padded; ++t) sg[t] = kMasked;
+    __m256 mx = _mm256_loadu_ps(sg);
+    for (int64_t t0 = 8; t0 < padded; t0 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t0));
+    const float m_new = std::max(m[g], hmax8(mx));
+    // Rescale what was accumulated to the new running maximum, once per chunk.
+    const float correction = std::exp(m[g] - m_new);
+    float* ag = acc + g * dim;
+    l[g] *= correction;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+    // Probabilities of the padding lanes are set to 0 (their scores only took part in the maximum).
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < padded; t0 += 8) {
+      const __m256 live = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - t0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      const __m256 p = _mm256_and_ps(exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), mv)), live);
+      _mm256_storeu_ps(sg + t0, p);
+      sum = _mm256_add_ps(sum, p);
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    l[g] += _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+    m[g] = m_new;
+  }
+  for (int64_t g = 0; g < group; g += 4) {
+    switch (std::min<int64_t>(4, group - g)) {
+      case 1: decode_pv<1>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      case 2: decode_pv<2>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      case 3: decode_pv<3>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      default: decode_pv<4>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n);
+    }
+  }
+}
+#endif
+
 void check_pool(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -239,6 +372,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int64_t Dn = kD > 0 ? kD : D;
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(group * Dn), scores(group * kLanes), keys_t(Dn * kLanes), m(group), l(group);
+#ifdef MINIPD_AVX2_PATHS
+      std::vector<float> qs(group * Dn), chunk_scores(group * kDecodeChunk);
+      std::vector<const float*> key_rows(kDecodeChunk), value_rows(kDecodeChunk);
+#endif
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
         const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -248,6 +385,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.end(), 0.f);
         const float* qb = qp + (b * H + kvh * group) * Dn;
+#ifdef MINIPD_AVX2_PATHS
+        if (Dn % 8 == 0) {
+          for (int64_t i = 0; i < group * Dn; ++i) qs[i] = qb[i] * fscale;
+          // Row pointers of each chunk's keys and values (a chunk may span blocks), found by walking the table.
+          int64_t block_index = first / bs, within = first % bs;
+          for (int64_t c0 = first; c0 < pool_end; c0 += kDecodeChunk) {
+            const int64_t n = std::min(kDecodeChunk, pool_end - c0);
+            for (int64_t t = 0; t < n; ++t) {
+              const int64_t offset = tp[b * table_width + block_index] * block_stride + within * row + kvh * Dn;
+              key_rows[t] = kp + offset;
+              value_rows[t] = vp + offset;
+              if (++within == bs) within = 0, ++block_index;
+            }
+            for (int64_t t = n; t < kDecodeChunk; ++t) key_rows[t] = key_rows[n - 1];
+            decode_chunk(qs.data(), group, Dn, key_rows.data(), value_rows.data(), n, chunk_scores.data(), acc.data(),
+                         m.data(), l.data());
+          }
+        } else
+#endif
         // first < pool_end: an empty range would give a block of no scores, whose correction is exp(-inf + inf).
         for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
           const int64_t block = tp[b * table_width + start / bs];
@@ -439,12 +595,23 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
         }
         for (int64_t t = 0; t < n; ++t) {
           float* s = probs.data() + t * width;
+#ifdef MINIPD_AVX2_PATHS
+          // width is a multiple of kLanes: whole registers (the scalar loop below is not vectorised).
+          for (int64_t r = 0; r < width; r += 8) {
+            const __m256 sv = _mm256_loadu_ps(s + r);
+            const __m256 seen = _mm256_cmp_ps(sv, _mm256_set1_ps(kMasked), _CMP_NEQ_OQ);
+            const __m256 p = _mm256_and_ps(exp_approx8(_mm256_sub_ps(sv, _mm256_loadu_ps(m.data() + r))), seen);
+            _mm256_storeu_ps(s + r, p);
+            _mm256_storeu_ps(l.data() + r, _mm256_add_ps(_mm256_loadu_ps(l.data() + r), p));
+          }
+#else
 #pragma omp simd
           for (int64_t r = 0; r < width; ++r) {
             const float p = s[r] == kMasked ? 0.f : exp_approx(s[r] - m[r]);
             s[r] = p;
             l[r] += p;
           }
+#endif
         }
         // acc_t[d][r] = acc_t[d][r] * correction[r] + sum_t v_t[d] p[t][r]
         product<true>(vb, 1, row, probs.data(), width, n, acc_t.data(), width, D, width, correction.data());
