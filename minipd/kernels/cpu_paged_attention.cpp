@@ -374,7 +374,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       std::vector<float> acc(group * Dn), scores(group * kLanes), keys_t(Dn * kLanes), m(group), l(group);
 #ifdef MINIPD_AVX2_PATHS
       std::vector<float> qs(group * Dn), chunk_scores(group * kDecodeChunk);
-      std::vector<const float*> key_rows(kDecodeChunk), value_rows(kDecodeChunk);
+      std::vector<const float*> key_rows(2 * kDecodeChunk), value_rows(2 * kDecodeChunk);  // this chunk, the next
 #endif
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
@@ -388,19 +388,39 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #ifdef MINIPD_AVX2_PATHS
         if (Dn % 8 == 0) {
           for (int64_t i = 0; i < group * Dn; ++i) qs[i] = qb[i] * fscale;
-          // Row pointers of each chunk's keys and values (a chunk may span blocks), found by walking the table.
+          // Row pointers of each chunk's keys and values (a chunk may span blocks), found by walking the table;
+          // the next chunk's rows are found and prefetched before this one is computed: its blocks lie anywhere
+          // in the pool, where the hardware prefetcher cannot guess them, and a step's K/V rarely fit the caches.
           int64_t block_index = first / bs, within = first % bs;
-          for (int64_t c0 = first; c0 < pool_end; c0 += kDecodeChunk) {
+          auto gather = [&](int64_t c0, const float** k_rows, const float** v_rows) {
             const int64_t n = std::min(kDecodeChunk, pool_end - c0);
             for (int64_t t = 0; t < n; ++t) {
               const int64_t offset = tp[b * table_width + block_index] * block_stride + within * row + kvh * Dn;
-              key_rows[t] = kp + offset;
-              value_rows[t] = vp + offset;
+              k_rows[t] = kp + offset;
+              v_rows[t] = vp + offset;
+              // The whole row, every KV head's part: the item of the next head reads it from the cache.
+              const char* k_line = reinterpret_cast<const char*>(k_rows[t] - kvh * Dn);
+              const char* v_line = reinterpret_cast<const char*>(v_rows[t] - kvh * Dn);
+              for (int64_t byte = 0; byte < row * 4; byte += 64) {
+                _mm_prefetch(k_line + byte, _MM_HINT_T0);
+                _mm_prefetch(v_line + byte, _MM_HINT_T0);
+              }
               if (++within == bs) within = 0, ++block_index;
             }
-            for (int64_t t = n; t < kDecodeChunk; ++t) key_rows[t] = key_rows[n - 1];
-            decode_chunk(qs.data(), group, Dn, key_rows.data(), value_rows.data(), n, chunk_scores.data(), acc.data(),
-                         m.data(), l.data());
+            for (int64_t t = n; t < kDecodeChunk; ++t) k_rows[t] = k_rows[n - 1];
+            return n;
+          };
+          const float** k_now = key_rows.data();
+          const float** v_now = value_rows.data();
+          const float** k_next = k_now + kDecodeChunk;
+          const float** v_next = v_now + kDecodeChunk;
+          int64_t n = first < pool_end ? gather(first, k_now, v_now) : 0;
+          for (int64_t c0 = first; c0 < pool_end; c0 += kDecodeChunk) {
+            const int64_t n_next = c0 + kDecodeChunk < pool_end ? gather(c0 + kDecodeChunk, k_next, v_next) : 0;
+            decode_chunk(qs.data(), group, Dn, k_now, v_now, n, chunk_scores.data(), acc.data(), m.data(), l.data());
+            std::swap(k_now, k_next);
+            std::swap(v_now, v_next);
+            n = n_next;
           }
         } else
 #endif
