@@ -35,10 +35,15 @@ def _step_times(core: Any, batch: int, prompt_len: int, rounds_tag: str) -> tupl
     return steps[0], statistics.median(steps[2:])
 
 
+#: Decode steps counted per prefill step in a case's time: a typical answer's length. (With ten, a batch's prefill
+#: outweighed its decodes and hid oneDNN's gain on 32-row decode steps, 0.65x F.linear's time on the AVX2 EPYC.)
+DECODE_STEPS_PER_PREFILL = 64
+
+
 def _measure_cores(options: dict[str, dict[str, Any]], cases: tuple[tuple[int, int], ...], rounds: int,
-                   model: str) -> dict[str, dict[tuple[int, int], float]]:
+                   model: str, decode_steps: int = DECODE_STEPS_PER_PREFILL) -> dict[str, dict[tuple[int, int], float]]:
     """For each engine configuration in ``options``, each (batch, prompt length) case: the median over ``rounds``
-    (interleaved across configurations) of its prefill step plus ten times its decode step."""
+    (interleaved across configurations) of its prefill step plus ``decode_steps`` times its median decode step."""
     from minipd.engine.config import EngineConfig
     from minipd.engine.factory import build_core
 
@@ -51,7 +56,7 @@ def _measure_cores(options: dict[str, dict[str, Any]], cases: tuple[tuple[int, i
             for case in cases:
                 for name, b in built.items():  # interleaved: a busy moment hurts every configuration
                     prefill, decode = _step_times(b.core, *case, f"r{r}-")
-                    times[name][case].append(prefill + 10 * decode)
+                    times[name][case].append(prefill + decode_steps * decode)
     finally:
         for b in built.values():
             b.close()
@@ -67,9 +72,10 @@ def measure_linear_backend(rounds: int = 3, model: str = "tiny-py",
                            cases: tuple[tuple[int, int], ...] = LINEAR_CASES) -> dict[str, Any]:
     """Time ``model``'s engine steps with ``F.linear`` and with oneDNN's packed linears (fp32, this process's
     threads) on (batch, prompt length) ``cases``: one stream, small and large decode batches, a long prefill.
-    Each case counts its prefill step and ten decode steps; the medians are summed. Returns the record:
-    ``choice`` ("onednn" when it takes under :data:`MARGIN` of torch's time, else "torch"), the ratio, and the
-    per-case ratios. (Measured on real steps: a bench of the linears alone chose wrong on this project's CPU.)"""
+    Each case counts its prefill step and :data:`DECODE_STEPS_PER_PREFILL` decode steps; the medians are summed.
+    Returns the record: ``choice`` ("onednn" when it takes under :data:`MARGIN` of torch's time, else "torch"),
+    the ratio, and the per-case ratios. (Measured on real steps: a bench of the linears alone chose wrong on
+    this project's CPU.)"""
     from minipd.kernels.cpu_linear import onednn_available
 
     if not onednn_available():
@@ -92,8 +98,10 @@ def measure_small_step_tokens(threads: int | None = None, rounds: int = 3, model
     :data:`TIE` (0: it always was)."""
     threads = threads or torch.get_num_threads()
     cases = tuple((size, 4) for size in sizes)
+    # Ten decode steps a case, as when the rule was set: its 4-token prompts leave decode steps with almost no
+    # attention, which would make one thread look as good as all for a 32-row step of a real context.
     t = _measure_cores({str(count): {"cpu_threads": count, "linear_backend": "torch"} for count in {1, threads}},
-                       cases, rounds, model)
+                       cases, rounds, model, decode_steps=10)
     ratios = {size: round(t["1"][(size, 4)] / t[str(threads)][(size, 4)], 3) for size in sizes}
     choice = 0
     for size, ratio in ratios.items():  # (in increasing order)
