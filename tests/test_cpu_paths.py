@@ -157,7 +157,7 @@ def test_engine_runs_small_steps_on_one_thread_and_big_ones_on_all():
 # multiples of 16 (16, 32, 64) and of 8 only (24, 40: their last 8 entries take a narrower loop).
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64), (6, 2, 24), (12, 2, 40)])
 @pytest.mark.parametrize("window", [None, 7, 40])
-@pytest.mark.parametrize("block_size", [8, 32])  # 32: a block spans chunks of 16 keys
+@pytest.mark.parametrize("block_size", [8, 32])  # 64-key chunks span blocks; a 32-key block spans 16-key ones
 def test_cpu_decode_kernel_matches_the_reference(heads, kv_heads, dim, window, block_size):
     from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
     from minipd.kernels.paged_attention import paged_decode_attention_torch
