@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from minipd.engine.compiler_keys import prime_compiler_keys
 from minipd.kernels.backend import TORCH_BACKEND
 from minipd.kernels.mla import LatentUpProjection, paged_mla_decode_with_new
 from minipd.kernels.paged_attention import decode_attention_with_new
@@ -245,6 +246,8 @@ class CompiledDecode:
         self._stop = threading.Event()
         #: Seconds from the start of background compilation until each program was ready, in order.
         self.ready_after: list[float] = []
+        #: When the background compilation started (``time.perf_counter()``), None before.
+        self.compile_started: float | None = None
         #: Set while the engine has no request to run (the engine sets and clears it): when a background
         #: compilation prefers to trace.
         self.idle = threading.Event()
@@ -312,7 +315,7 @@ class CompiledDecode:
     def _compile_all(self, pairs: list[tuple[int, int]], threads: int | None) -> None:
         import torch._inductor.config as inductor_config
 
-        start = time.perf_counter()
+        start = self.compile_started = time.perf_counter()
         try:
             # Grad mode is per thread (the steps run in inference mode); one compile thread: no pool of compile
             # processes beside a server (they would outlive nothing, but show up as its children).
@@ -360,7 +363,9 @@ class CompiledDecode:
         pool = self.pool
         if key in self._traced:
             return self._step(ids, pos, tables, lens, pool.k, pool.v, pool.k_scale, pool.v_scale)
-        # May trace: raise dynamo's limits for this call only (a patch costs ~30 us, too much per step).
+        # May trace: inductor's source hashes from the on-disk store first (a warm start then loads its programs
+        # without rehashing torch), and dynamo's limits raised for this call only (a patch costs ~30 us a step).
+        prime_compiler_keys()
         limit = 2 * CompiledDecode._graphs + 8
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
                                         accumulated_recompile_limit=max(

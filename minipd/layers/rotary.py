@@ -109,7 +109,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
         self.register_buffer("cos_cached", torch.empty(0), persistent=False)
         self.register_buffer("sin_cached", torch.empty(0), persistent=False)
-        self.reset_cache()
+        if self.cos_cached.device.type != "meta":  # built on the meta device: the tables come with reset_cache(device)
+            self.reset_cache()
 
     def reset_cache(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the cos/sin tables, e.g. after the module was built on the meta device."""
