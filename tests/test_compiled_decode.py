@@ -130,8 +130,6 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
     (dict(compile_decode=True, compile_batch_sizes=(0, 4)), "compile_batch_sizes must be"),
     (dict(compile_decode=True, compile_batch_sizes=(4,), max_num_seqs=2), "compile_batch_sizes must be"),
     (dict(compile_decode=True, kv_cache_dtype="int4"), r"compile_decode does not cover kv_cache_dtype='int4' \(KIVI"),
-    (dict(compile_decode=True, kv_cache_dtype="adaptive", enable_prefix_caching=False),
-     "compile_decode does not cover kv_cache_dtype='adaptive'"),
 ])
 def test_bad_compile_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -245,6 +243,32 @@ def test_compiled_decode_reads_and_writes_a_quantized_pool_like_eager(kv_cache_d
         assert (codes == want_codes).float().mean() > 0.999
     for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
         torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=0)
+
+
+def test_compiled_decode_covers_adaptive_precision():
+    """Adaptive KV precision: full-precision and compressed requests share compiled steps (each row reads the pages
+    in its own format; a compressed row's new K/V are quantized in the program), with the eager engine's tokens and
+    log-probabilities."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (20, 14, 9, 16)]
+    prompts = [*PROMPTS, "while True:\n    x = "]
+    options = dict(kv_cache_dtype="adaptive", kv_adaptive_thresholds=(0.1, 0.15), enable_prefix_caching=False,
+                   max_model_len=64, max_num_seqs=4, num_kv_blocks=12)
+    eager = LLM("tiny-py", **options)
+    want = eager.generate(prompts, params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    compiled = llm.engine.core.runner.compiled
+    mixes: list[tuple[int, int]] = []  # (rows, compressed rows) of every compiled step
+    run = compiled.run
+
+    def watched(input_ids, *args, compressed_rows=0, **kwargs):
+        mixes.append((len(input_ids), compressed_rows))
+        return run(input_ids, *args, compressed_rows=compressed_rows, **kwargs)
+
+    compiled.run = watched
+    got = llm.generate(prompts, params)
+    _assert_same_outputs(got, want, 1e-3)
+    assert any(0 < compressed < rows for rows, compressed in mixes)  # both formats in one compiled step
+    assert max(s.num_compressed_running for s in llm.engine.core.step_stats) > 0
 
 
 @pytest.mark.parametrize("absorb", [True, False])

@@ -31,6 +31,9 @@ Beyond a plain pool: a pool of per-token codes (int8, fp8, int4_per_token) has e
 the program, which attends to it as read back from its codes (as an eager step attends to the row it has
 just stored) and returns codes and scales for the pool; MLA's latent rows are kept and attended like K; for
 eviction by received attention the program also returns each layer's queries (:meth:`CompiledDecode.observe`).
+Under adaptive KV precision (:class:`AdaptiveRows`) each row is attended over the pages as floats and over them
+as compressed blocks, and keeps its own format's result; its new row is stored as floats or as codes. KIVI's
+``int4`` cache is not covered: a step seals its filling blocks into codes as they fill, and attends to them so.
 """
 
 from __future__ import annotations
@@ -99,6 +102,22 @@ def cpu_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                                              v_new.contiguous())
 
 
+class AdaptiveRows:
+    """A traced step's rows under adaptive KV precision: which are compressed, and each format's tables and lengths
+    (a row of the other format gets a table of block 0 and length 1: it attends to its new token only)."""
+
+    def __init__(self, compressed: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 k_codes: torch.Tensor, v_codes: torch.Tensor) -> None:
+        self.mask = compressed != 0
+        self.k_codes, self.v_codes = k_codes, v_codes
+        column = self.mask[:, None]
+        self.full_tables = torch.where(column, torch.zeros_like(block_tables), block_tables)
+        self.parts_tables = torch.where(column, block_tables, torch.zeros_like(block_tables))
+        ones = torch.ones_like(context_lens)
+        self.full_lens = torch.where(self.mask, ones, context_lens)
+        self.parts_lens = torch.where(self.mask, context_lens, ones)
+
+
 class StaticDecodeCache:
     """The model's cache interface for one traced decode step: attends, and keeps each layer's new K/V.
 
@@ -109,7 +128,7 @@ class StaticDecodeCache:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, attend: Callable[..., torch.Tensor],
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None, fmt: QuantFormat | None = None,
-                 keep_queries: bool = False) -> None:
+                 keep_queries: bool = False, compressed: AdaptiveRows | None = None) -> None:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.block_tables, self.context_lens = block_tables, context_lens
         self._attend = attend
@@ -118,6 +137,10 @@ class StaticDecodeCache:
         self.new_v: list[torch.Tensor] = []
         self.new_k_scales: list[torch.Tensor] = []
         self.new_v_scales: list[torch.Tensor] = []
+        #: Adaptive KV precision: the compressed rows' view of the pool; their new rows' codes are kept here.
+        self.compressed = compressed
+        self.new_k_codes: list[torch.Tensor] = []
+        self.new_v_codes: list[torch.Tensor] = []
         #: Each layer's queries, kept when an attention observer (eviction by received attention) reads them.
         self.queries: list[torch.Tensor] | None = [] if keep_queries else None
 
@@ -126,6 +149,9 @@ class StaticDecodeCache:
         k_cache, v_cache = self.k_pool[layer_idx], self.v_pool[layer_idx]
         if self.queries is not None:
             self.queries.append(q)
+        window = -1 if sliding_window is None else sliding_window
+        if self.compressed is not None:
+            return self._attend_adaptive(layer_idx, q, k, v, k_cache, v_cache, scale, window)
         if self.fmt is not None and self.scales is not None:
             (k_codes, k_scales), (v_codes, v_scales) = self.fmt.quantize(k), self.fmt.quantize(v)
             self.new_k_scales.append(k_scales)
@@ -138,8 +164,30 @@ class StaticDecodeCache:
         else:
             self.new_k.append(k)
             self.new_v.append(v)
-        return self._attend(q, k, v, k_cache, v_cache, self.block_tables, self.context_lens, scale,
-                            -1 if sliding_window is None else sliding_window)
+        return self._attend(q, k, v, k_cache, v_cache, self.block_tables, self.context_lens, scale, window)
+
+    def _attend_adaptive(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+        """Every row twice, once over the pages as floats and once over them as compressed blocks, each row's own
+        format chosen after: in the other format's pass a row has a table of block 0 and only its new token to
+        attend to (a row of a format costs nothing in the other's pass). A compressed row's new K/V are quantized
+        here and read back from their codes, as an eager step reads the rows it has just stored."""
+        rows, fmt = self.compressed, self.fmt
+        assert rows is not None and fmt is not None and self.scales is not None
+        (k_codes, k_scales), (v_codes, v_scales) = fmt.quantize(k), fmt.quantize(v)
+        self.new_k.append(k)
+        self.new_v.append(v)
+        self.new_k_codes.append(k_codes)
+        self.new_v_codes.append(v_codes)
+        self.new_k_scales.append(k_scales)
+        self.new_v_scales.append(v_scales)
+        full = self._attend(q, k, v, k_cache, v_cache, rows.full_tables, rows.full_lens, scale, window)
+        k_parts = QuantizedLayerCache(rows.k_codes[layer_idx], self.scales[0][layer_idx], fmt, q.dtype)
+        v_parts = QuantizedLayerCache(rows.v_codes[layer_idx], self.scales[1][layer_idx], fmt, q.dtype)
+        compressed = self._attend(q, fmt.dequantize(k_codes, k_scales, q.dtype), fmt.dequantize(v_codes, v_scales,
+                                                                                                q.dtype),
+                                  k_parts, v_parts, rows.parts_tables, rows.parts_lens, scale, window)
+        return torch.where(rows.mask[:, None, None], compressed, full)
 
     def attend_latent(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
                       up: LatentUpProjection) -> torch.Tensor:
@@ -199,14 +247,17 @@ class CompiledDecode:
                  batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True,
                  keep_queries: bool = False) -> None:
         spec = pool.spec
-        if spec.has_residual_window or hasattr(pool, "compressed_layer"):
-            raise ValueError("the compiled decode step reads a plain pool (per-head or latent) or one of per-token "
-                             "codes (int8, fp8, int4_per_token); not KIVI's residual window or an adaptive pool")
+        if spec.has_residual_window:
+            raise ValueError("the compiled decode step reads a plain pool (per-head or latent), one of per-token "
+                             "codes (int8, fp8, int4_per_token) or an adaptive one; not KIVI's residual window")
         self.model = model
         self.pool = pool
         self.attend = attend
-        #: The code format of a quantized pool (its rows are quantized in the program), None for a plain one.
-        self.fmt = FORMATS[spec.quant] if spec.quant else None
+        #: Adaptive KV precision: the pages are read as floats or as compressed blocks, row by row.
+        self.adaptive = hasattr(pool, "compressed_layer")
+        #: The code format of a quantized pool, or of an adaptive pool's compressed blocks (their rows are
+        #: quantized in the program); None for a plain pool.
+        self.fmt = pool.fmt if self.adaptive else FORMATS[spec.quant] if spec.quant else None  # type: ignore[attr-defined]
         #: Programs also return each layer's queries, for :meth:`observe` (eviction by received attention).
         self.keep_queries = keep_queries
         self.last_queries: torch.Tensor | None = None
@@ -256,25 +307,44 @@ class CompiledDecode:
         num_layers, num_blocks, block_size = pool.k.shape[:3]
         self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
         self._flat_v = pool.v.view(num_layers, num_blocks * block_size, *pool.v.shape[3:])
+        #: What the programs read besides the step's inputs: the pool's K and V, the scales of its codes (or
+        #: of an adaptive pool's compressed blocks) and an adaptive pool's pages seen as compressed blocks.
+        self._pool_inputs: tuple[torch.Tensor | None, ...] = (pool.k, pool.v, pool.k_scale, pool.v_scale, None, None)
         #: The per-token scales of a quantized pool, one row per token slot (None for a plain pool).
         self._flat_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.fmt is not None and pool.k_scale is not None and pool.v_scale is not None:
+        #: An adaptive pool's compressed blocks, codes and scales, one row per token slot.
+        self._flat_codes: tuple[torch.Tensor, ...] | None = None
+        if self.adaptive:
+            # The pages seen as compressed blocks (block id = page * ratio + part), every layer at once.
+            layer_codes = pool.compressed_layer(0, torch.float32)[0].codes  # type: ignore[attr-defined]
+            shape = (num_layers, *layer_codes.shape)
+            k_codes, v_codes = pool.k.view(layer_codes.dtype).view(shape), pool.v.view(layer_codes.dtype).view(shape)
+            k_scales, v_scales = pool.part_k_scale, pool.part_v_scale  # type: ignore[attr-defined]
+            self._pool_inputs = (pool.k, pool.v, k_scales, v_scales, k_codes, v_codes)
+            slots = shape[1] * shape[2]
+            self._flat_codes = tuple(t.view(num_layers, slots, *shape[3:]) for t in (k_codes, v_codes)) + tuple(
+                t.view(num_layers, slots, -1) for t in (k_scales, v_scales))
+        elif self.fmt is not None and pool.k_scale is not None and pool.v_scale is not None:
             self._flat_scales = (pool.k_scale.view(num_layers, num_blocks * block_size, -1),
                                  pool.v_scale.view(num_layers, num_blocks * block_size, -1))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+                 context_lens: torch.Tensor, compressed: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_codes: torch.Tensor | None,
+                 v_codes: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
+        rows = (None if k_codes is None or v_codes is None
+                else AdaptiveRows(compressed, block_tables, context_lens, k_codes, v_codes))
         cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend, scales, self.fmt,
-                                  self.keep_queries)
+                                  self.keep_queries, rows)
         # The kernels are reached through ``self`` (an input of the traced call): the compiler can only wrap
         # objects it can find again. (On torch 2.11 it also failed on ForwardContext's default value: see there.)
         hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
         logits = self.model.compute_logits(hidden)
         # (Scales only for a quantized pool, queries only when kept: None otherwise.)
         return (logits, *(torch.stack(parts) if parts else None for parts in (
-            cache.new_k, cache.new_v, cache.new_k_scales, cache.new_v_scales, cache.queries)))
+            cache.new_k, cache.new_v, cache.new_k_scales, cache.new_v_scales, cache.queries, cache.new_k_codes,
+            cache.new_v_codes)))
 
     def buckets_for(self, batch: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) bucket a step of ``batch`` sequences and ``width`` blocks runs in; None if too big,
@@ -353,16 +423,14 @@ class CompiledDecode:
     def _trace(self, bucket: tuple[int, int]) -> None:
         """Build ``bucket``'s program by calling it once on dummy inputs of its own (not the bucket's, which a
         step may be filling meanwhile); nothing is stored."""
-        ids, pos, tables, lens = self._new_inputs(bucket)
-        self._call(bucket, ids, pos, tables, lens)
+        self._call(bucket, *self._new_inputs(bucket))
         self.compiled.add(bucket)
 
     def _call(self, bucket: tuple[int, int], ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+              lens: torch.Tensor, compressed: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         key = (bucket, torch.get_num_threads())
-        pool = self.pool
         if key in self._traced:
-            return self._step(ids, pos, tables, lens, pool.k, pool.v, pool.k_scale, pool.v_scale)
+            return self._step(ids, pos, tables, lens, compressed, *self._pool_inputs)
         # May trace: inductor's source hashes from the on-disk store first (a warm start then loads its programs
         # without rehashing torch), and dynamo's limits raised for this call only (a patch costs ~30 us a step).
         prime_compiler_keys()
@@ -370,19 +438,20 @@ class CompiledDecode:
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
                                         accumulated_recompile_limit=max(
                                             limit, torch._dynamo.config.accumulated_recompile_limit)):
-            out = self._step(ids, pos, tables, lens, pool.k, pool.v, pool.k_scale, pool.v_scale)
+            out = self._step(ids, pos, tables, lens, compressed, *self._pool_inputs)
         self._traced.add(key)
         return out
 
     def _new_inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths), made outside inference
-        mode: the compiler guards on how an input was created."""
+        """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths, and which rows are compressed
+        under adaptive KV precision), made outside inference mode: the compiler guards on how an input was made."""
         rows, cols = bucket
         with torch.inference_mode(False):
             return (torch.zeros(rows, dtype=torch.int64, device=self.device),
                     torch.zeros(rows, dtype=torch.int64, device=self.device),
                     torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
-                    torch.ones(rows, dtype=torch.int32, device=self.device))
+                    torch.ones(rows, dtype=torch.int32, device=self.device),
+                    torch.zeros(rows, dtype=torch.int32, device=self.device))
 
     def _inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         """The bucket's input tensors, allocated once.
@@ -400,26 +469,40 @@ class CompiledDecode:
         return found
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, slot_mapping: torch.Tensor, bucket: tuple[int, int]) -> torch.Tensor:
+            context_lens: torch.Tensor, slot_mapping: torch.Tensor, bucket: tuple[int, int],
+            compressed_rows: int = 0) -> torch.Tensor:
         """Logits (batch, vocab) of one decode step, each sequence's new K/V stored in the pool.
 
         The inputs are copied into the bucket's tensors; padding rows get token 0 at position 0, a table of
-        block 0 and length 1: they attend to their own (discarded) token only.
+        block 0 and length 1: they attend to their own (discarded) token only. Under adaptive KV precision the
+        last ``compressed_rows`` rows are compressed requests' (their tables and slots name compressed blocks).
         """
         batch, width = block_tables.shape
-        ids, pos, tables, lens = self._inputs(bucket)
-        for t in (ids, pos, tables):
+        ids, pos, tables, lens, compressed = self._inputs(bucket)
+        for t in (ids, pos, tables, compressed):
             t.zero_()
         lens.fill_(1)
         ids[:batch].copy_(input_ids)
         pos[:batch].copy_(positions)
         tables[:batch, :width].copy_(block_tables)
         lens[:batch].copy_(context_lens)
-        logits, new_k, new_v, new_k_scales, new_v_scales, queries = self._call(bucket, ids, pos, tables, lens)
+        full = batch - compressed_rows
+        if compressed_rows:
+            compressed[full:batch].fill_(1)
+        logits, new_k, new_v, new_k_scales, new_v_scales, queries, new_k_codes, new_v_codes = self._call(
+            bucket, ids, pos, tables, lens, compressed)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
-        self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))  # type: ignore[index]
-        self._flat_v.index_copy_(1, slots, new_v[:, :batch].to(self.pool.v.dtype))  # type: ignore[index]
+        if self._flat_codes is not None:  # adaptive: floats for full-precision rows, codes for compressed ones
+            self._flat_k.index_copy_(1, slots[:full], new_k[:, :full].to(self.pool.k.dtype))  # type: ignore[index]
+            self._flat_v.index_copy_(1, slots[:full], new_v[:, :full].to(self.pool.v.dtype))  # type: ignore[index]
+            parts = slots[full:batch]
+            for flat, new in zip(self._flat_codes, (new_k_codes, new_v_codes, new_k_scales, new_v_scales),
+                                 strict=True):
+                flat.index_copy_(1, parts, new[:, full:batch].to(flat.dtype))  # type: ignore[index]
+        else:
+            self._flat_k.index_copy_(1, slots, new_k[:, :batch].to(self.pool.k.dtype))  # type: ignore[index]
+            self._flat_v.index_copy_(1, slots, new_v[:, :batch].to(self.pool.v.dtype))  # type: ignore[index]
         if self._flat_scales is not None:
             self._flat_scales[0].index_copy_(1, slots, new_k_scales[:, :batch])  # type: ignore[index]
             self._flat_scales[1].index_copy_(1, slots, new_v_scales[:, :batch])  # type: ignore[index]
@@ -460,6 +543,7 @@ class CompiledDecode:
 
 
 __all__ = [
+    "AdaptiveRows",
     "CompiledDecode",
     "StaticDecodeCache",
     "bucket_sizes",

@@ -12,7 +12,6 @@ from minipd.sampling_params import is_integer, is_real
 #: KV cache formats the compiled decode step does not read, and why (every other format it does).
 COMPILE_UNCOVERED_KV: dict[str, str] = {
     "int4": "KIVI keeps each filling block in a full-precision window that an eager step updates",
-    "adaptive": "its pages change format while the engine runs",
 }
 
 

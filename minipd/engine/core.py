@@ -134,7 +134,7 @@ class EngineCore(StepCore):
                "moe_capacity_factor (drops by capacity)" if config.moe_capacity_factor is not None else
                "record_routing" if config.record_routing else
                "moe_backend='triton'" if config.moe_backend == "triton" else None)
-        if setting is True:  # (KIVI/adaptive caches and remote experts were refused by EngineConfig already)
+        if setting is True:  # (KIVI caches and remote experts were refused by EngineConfig already)
             if gap is not None:
                 raise ValueError(f"compile_decode does not cover {gap}: pass compile_decode=False")
             return True, "asked for"
@@ -154,8 +154,9 @@ class EngineCore(StepCore):
         return True, "auto: a long-lived engine"
 
     def _compiled_attention_is_the_kernel(self) -> bool:
+        # (An adaptive pool's compressed rows are read by the torch attention: its programs are per table width.)
         return (self.kernels.name == "cpu" and self.kv_spec.dtype == torch.float32 == self.dtype
-                and not self.kv_spec.latent)
+                and not self.kv_spec.latent and self.config.kv_cache_dtype != "adaptive")
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
         """The compiled decode step of ``compile_decode=True`` (warmed up now with ``compile_warmup``).

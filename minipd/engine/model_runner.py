@@ -227,8 +227,10 @@ class ModelRunner:
             if bucket is not None and self.compiled is not None:
                 try:
                     # Every row is a decode that samples: the logits come out in row order.
+                    compressed = sum(1 for r, _ in batch.entries if r.blocks.compressed) if adaptive else 0
                     logits = self.compiled.run(input_ids, positions, metadata.decode_block_tables,
-                                               metadata.decode_context_lens, metadata.slot_mapping, bucket)
+                                               metadata.decode_context_lens, metadata.slot_mapping, bucket,
+                                               compressed_rows=compressed)
                     if self.attention_observer is not None:
                         self.compiled.observe(functools.partial(self.attention_observer, batch))
                     return self._sample(to_sample, logits, {})
