@@ -214,8 +214,8 @@ def test_the_repr_says_what_the_engine_really_runs_with():
     assert info["model"] == "tiny-py" and info["linear_backend"] == "torch" and info["kv_cache_dtype"] == "int8"
     assert info["num_kv_blocks"] == 64 and info["kernel_backend"] in BACKENDS
     assert info["compile_decode"] == "off (auto: a short-lived engine (long_lived=False); compile_decode=True compiles)"
-    assert LLM("tiny-py", kv_cache_dtype="int4", long_lived=True).describe()["compile_decode"] == \
-        "off (auto: the compiled step does not cover kv_cache_dtype='int4')"
+    assert LLM("tiny-py-moe", record_routing=True, long_lived=True).describe()["compile_decode"] == \
+        "off (auto: the compiled step does not cover record_routing)"
     assert repr(llm).startswith("LLM(model='tiny-py'") and "linear_backend='torch'" in repr(llm)
     auto = LLM("tiny-py").describe()
     assert auto["kv_cache_dtype"] == "float32" and auto["linear_backend"] in ("torch", "onednn")  # "auto" resolved

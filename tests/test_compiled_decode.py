@@ -129,7 +129,6 @@ def test_warm_up_compiles_every_bucket(tmp_path, kernel_backend, buckets):
     (dict(compile_decode=False, compile_warmup=True), "compile_warmup compiles the decode buckets"),
     (dict(compile_decode=True, compile_batch_sizes=(0, 4)), "compile_batch_sizes must be"),
     (dict(compile_decode=True, compile_batch_sizes=(4,), max_num_seqs=2), "compile_batch_sizes must be"),
-    (dict(compile_decode=True, kv_cache_dtype="int4"), r"compile_decode does not cover kv_cache_dtype='int4' \(KIVI"),
 ])
 def test_bad_compile_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -243,6 +242,30 @@ def test_compiled_decode_reads_and_writes_a_quantized_pool_like_eager(kv_cache_d
         assert (codes == want_codes).float().mean() > 0.999
     for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
         torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [8, 1])
+def test_compiled_decode_covers_kivi_int4(block_size):
+    """KIVI's int4 cache: new rows go to the residual window after the program, a block a row fills is sealed
+    into per-channel codes, and the program attends to it as sealed (the new token too), as an eager step does
+    once it has stored; the pools end with the same codes, scales and window. (block_size=1: every token is a
+    block written whole as codes, none goes to the window.)"""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (21, 9, 14)]
+    options = dict(kv_cache_dtype="int4", max_model_len=64, max_num_seqs=4, num_kv_blocks=48 * 8 // block_size,
+                   block_size=block_size, enable_prefix_caching=False)
+    eager = LLM("tiny-py", **options)
+    want = eager.generate(PROMPTS, params)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    got = llm.generate(PROMPTS, params)
+    assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
+    _assert_same_outputs(got, want, 1e-3)
+    mine, theirs = llm.engine.core.pool, eager.engine.core.pool
+    for codes, want_codes in ((mine.k, theirs.k), (mine.v, theirs.v)):
+        assert (codes == want_codes).float().mean() > 0.999
+    for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
+        torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=1e-6)
+    for window, want_window in ((mine.residual_k, theirs.residual_k), (mine.residual_v, theirs.residual_v)):
+        torch.testing.assert_close(window, want_window, rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_decode_covers_adaptive_precision():
@@ -373,11 +396,11 @@ def test_auto_leaves_short_lived_engines_and_what_it_does_not_cover_eager():
     moe = LLM("tiny-py-moe", long_lived=True, record_routing=True)
     assert moe.engine.core.runner.compiled is None
     assert moe.describe()["compile_decode"] == "off (auto: the compiled step does not cover record_routing)"
-    kivi = LLM("tiny-py", long_lived=True, kv_cache_dtype="int4")
-    assert kivi.describe()["compile_decode"] == "off (auto: the compiled step does not cover kv_cache_dtype='int4')"
-    # A quantized pool is read by the torch attention, whose programs are per table width: compile_decode=True.
-    quantized = LLM("tiny-py", long_lived=True, kv_cache_dtype="int8")
-    assert "the torch attention needs a program per table width" in quantized.describe()["compile_decode"]
+    # A quantized pool (KIVI's too) is read by the torch attention, whose programs are per table width:
+    # compile_decode=True compiles them.
+    for kv_cache_dtype in ("int8", "int4"):
+        quantized = LLM("tiny-py", long_lived=True, kv_cache_dtype=kv_cache_dtype)
+        assert "the torch attention needs a program per table width" in quantized.describe()["compile_decode"]
     torch_attention = LLM("tiny-py", long_lived=True, kernel_backend="torch")
     assert "the torch attention needs a program per table width" in torch_attention.describe()["compile_decode"]
 

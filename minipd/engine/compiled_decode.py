@@ -32,8 +32,9 @@ the program, which attends to it as read back from its codes (as an eager step a
 just stored) and returns codes and scales for the pool; MLA's latent rows are kept and attended like K; for
 eviction by received attention the program also returns each layer's queries (:meth:`CompiledDecode.observe`).
 Under adaptive KV precision (:class:`AdaptiveRows`) each row is attended over the pages as floats and over them
-as compressed blocks, and keeps its own format's result; its new row is stored as floats or as codes. KIVI's
-``int4`` cache is not covered: a step seals its filling blocks into codes as they fill, and attends to them so.
+as compressed blocks, and keeps its own format's result; its new row is stored as floats or as codes. Over
+KIVI's ``int4`` cache (:class:`KiviRows`) the new rows are stored after the program as the step's residual plan
+says, and a row whose token fills its block attends to that block sealed into codes, as an eager step does.
 """
 
 from __future__ import annotations
@@ -118,6 +119,61 @@ class AdaptiveRows:
         self.parts_lens = torch.where(self.mask, context_lens, ones)
 
 
+class KiviRows:
+    """A traced step's rows over KIVI's ``int4`` cache (:mod:`minipd.kv.residual`).
+
+    Each row's new token goes to row ``window_rows`` of the residual window (its filling block's slot times the
+    block size, plus its offset); a row whose token completes its block (``context_lens % block_size == 0``) has
+    that block sealed into per-channel codes by an eager step *before* it attends, so it reads the whole block,
+    its new token included, back from those codes: the program seals it too (:meth:`sealed_keys`). V is coded
+    per token, so a sealed block's earlier V rows are the codes the pool already holds.
+    """
+
+    def __init__(self, window_rows: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 residual_k: torch.Tensor, residual_v: torch.Tensor) -> None:
+        self.slots = (window_rows // block_size).clamp(min=0).long()
+        self.fills = context_lens % block_size == 0
+        self.last_block = ((context_lens - 1) // block_size).long()
+        self.residual_k, self.residual_v = residual_k, residual_v
+
+    def sealed_keys(self, layer_idx: int, k: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
+        """Each row's filling block of K with the new row last, sealed into per-channel codes and read back
+        ``(B, block_size, kv_heads, head_dim)`` (what a row that fills its block attends to)."""
+        window = self.residual_k[layer_idx]
+        rows = torch.cat((window[self.slots][:, :-1], k[:, None].to(window.dtype)), dim=1).float()
+        codes, scales = fmt.quantize_channels(rows)
+        return fmt.dequantize_channels(codes, scales, dtype)
+
+
+class TracedWindowCache(QuantizedLayerCache):
+    """One layer's K or V of a KIVI cache as a traced step reads it: :class:`~minipd.kv.residual.WindowedLayerCache`
+    without its host-side shortcut, and with the blocks rows seal this step (``sealed``, at each row's
+    ``last_block`` where ``fills``) in place of their codes."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, fmt: QuantFormat,
+                 dtype: torch.dtype, per_channel: bool, sealed: torch.Tensor | None = None,
+                 rows: KiviRows | None = None) -> None:
+        super().__init__(codes, scales, fmt, dtype)
+        self.residual, self.per_channel, self.sealed, self.rows = residual, per_channel, sealed, rows
+        self.num_blocks = codes.shape[0]
+
+    def decode_blocks(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        if self.per_channel:
+            return self.fmt.dequantize_channels(codes, scales, self.dtype)
+        return super().decode_blocks(codes, scales)
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        """Blocks ``index`` (B, W) as values: codes decoded, residual rows for ids past the pool, sealed blocks."""
+        values = super().__getitem__(index.clamp(max=self.num_blocks - 1))
+        window = self.residual[(index - self.num_blocks).clamp(min=0)].to(self.dtype)
+        values = torch.where((index >= self.num_blocks)[..., None, None, None], window, values)
+        if self.sealed is None or self.rows is None:
+            return values
+        columns = torch.arange(index.shape[1], device=index.device)[None, :]
+        at = (columns == self.rows.last_block[:, None]) & self.rows.fills[:, None]
+        return torch.where(at[..., None, None, None], self.sealed[:, None], values)
+
+
 class StaticDecodeCache:
     """The model's cache interface for one traced decode step: attends, and keeps each layer's new K/V.
 
@@ -128,7 +184,8 @@ class StaticDecodeCache:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, attend: Callable[..., torch.Tensor],
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None, fmt: QuantFormat | None = None,
-                 keep_queries: bool = False, compressed: AdaptiveRows | None = None) -> None:
+                 keep_queries: bool = False, compressed: AdaptiveRows | None = None,
+                 kivi: KiviRows | None = None) -> None:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.block_tables, self.context_lens = block_tables, context_lens
         self._attend = attend
@@ -139,6 +196,8 @@ class StaticDecodeCache:
         self.new_v_scales: list[torch.Tensor] = []
         #: Adaptive KV precision: the compressed rows' view of the pool; their new rows' codes are kept here.
         self.compressed = compressed
+        #: KIVI's int4 cache: where each row's new token goes in the residual window.
+        self.kivi = kivi
         self.new_k_codes: list[torch.Tensor] = []
         self.new_v_codes: list[torch.Tensor] = []
         #: Each layer's queries, kept when an attention observer (eviction by received attention) reads them.
@@ -152,6 +211,8 @@ class StaticDecodeCache:
         window = -1 if sliding_window is None else sliding_window
         if self.compressed is not None:
             return self._attend_adaptive(layer_idx, q, k, v, k_cache, v_cache, scale, window)
+        if self.kivi is not None:
+            return self._attend_kivi(layer_idx, q, k, v, k_cache, v_cache, scale, window)
         if self.fmt is not None and self.scales is not None:
             (k_codes, k_scales), (v_codes, v_scales) = self.fmt.quantize(k), self.fmt.quantize(v)
             self.new_k_scales.append(k_scales)
@@ -188,6 +249,25 @@ class StaticDecodeCache:
                                                                                                 q.dtype),
                                   k_parts, v_parts, rows.parts_tables, rows.parts_lens, scale, window)
         return torch.where(rows.mask[:, None, None], compressed, full)
+
+    def _attend_kivi(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor,
+                     v_codes: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+        """Over KIVI's cache as an eager step reads it once it has stored the new rows: a new row as the window holds
+        it, or, where it completes its block, that block as sealed codes (K per channel, V per token)."""
+        rows, fmt = self.kivi, self.fmt
+        assert rows is not None and fmt is not None and self.scales is not None
+        self.new_k.append(k)
+        self.new_v.append(v)
+        sealed = rows.sealed_keys(layer_idx, k, fmt, q.dtype)
+        k_cache = TracedWindowCache(k_codes, self.scales[0][layer_idx], rows.residual_k[layer_idx], fmt, q.dtype, True,
+                                    sealed, rows)
+        v_cache = TracedWindowCache(v_codes, self.scales[1][layer_idx], rows.residual_v[layer_idx], fmt, q.dtype,
+                                    False)
+        fills = rows.fills[:, None, None]
+        k_new = torch.where(fills, sealed[:, -1], k.to(rows.residual_k.dtype).to(q.dtype))
+        v_read = fmt.dequantize(*fmt.quantize(v), q.dtype)
+        v_new = torch.where(fills, v_read, v.to(rows.residual_v.dtype).to(q.dtype))
+        return self._attend(q, k_new, v_new, k_cache, v_cache, self.block_tables, self.context_lens, scale, window)
 
     def attend_latent(self, layer_idx: int, q: torch.Tensor, rows: torch.Tensor, scale: float,
                       up: LatentUpProjection) -> torch.Tensor:
@@ -247,14 +327,13 @@ class CompiledDecode:
                  batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True,
                  keep_queries: bool = False) -> None:
         spec = pool.spec
-        if spec.has_residual_window:
-            raise ValueError("the compiled decode step reads a plain pool (per-head or latent), one of per-token "
-                             "codes (int8, fp8, int4_per_token) or an adaptive one; not KIVI's residual window")
         self.model = model
         self.pool = pool
         self.attend = attend
         #: Adaptive KV precision: the pages are read as floats or as compressed blocks, row by row.
         self.adaptive = hasattr(pool, "compressed_layer")
+        #: KIVI's int4 cache: a step's new rows go to its residual window, and blocks they fill are sealed.
+        self.kivi = spec.has_residual_window
         #: The code format of a quantized pool, or of an adaptive pool's compressed blocks (their rows are
         #: quantized in the program); None for a plain pool.
         self.fmt = pool.fmt if self.adaptive else FORMATS[spec.quant] if spec.quant else None  # type: ignore[attr-defined]
@@ -324,19 +403,28 @@ class CompiledDecode:
             slots = shape[1] * shape[2]
             self._flat_codes = tuple(t.view(num_layers, slots, *shape[3:]) for t in (k_codes, v_codes)) + tuple(
                 t.view(num_layers, slots, -1) for t in (k_scales, v_scales))
+        elif self.kivi:
+            self._pool_inputs = (pool.k, pool.v, pool.k_scale, pool.v_scale, pool.residual_k, pool.residual_v)
         elif self.fmt is not None and pool.k_scale is not None and pool.v_scale is not None:
             self._flat_scales = (pool.k_scale.view(num_layers, num_blocks * block_size, -1),
                                  pool.v_scale.view(num_layers, num_blocks * block_size, -1))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, compressed: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_codes: torch.Tensor | None,
-                 v_codes: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+                 context_lens: torch.Tensor, row_extra: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_other: torch.Tensor | None,
+                 v_other: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """One step. ``row_extra`` and ``k_other``/``v_other`` serve two caches: under adaptive precision, which rows
+        are compressed and the pages seen as compressed blocks; for KIVI, each new token's row in the residual window
+        and the window itself (unused otherwise)."""
         scales = None if k_scale is None or v_scale is None else (k_scale, v_scale)
-        rows = (None if k_codes is None or v_codes is None
-                else AdaptiveRows(compressed, block_tables, context_lens, k_codes, v_codes))
+        adaptive = kivi = None
+        if k_other is not None and v_other is not None:
+            if self.kivi:
+                kivi = KiviRows(row_extra, context_lens, self.pool.block_size, k_other, v_other)
+            else:
+                adaptive = AdaptiveRows(row_extra, block_tables, context_lens, k_other, v_other)
         cache = StaticDecodeCache(k_pool, v_pool, block_tables, context_lens, self.attend, scales, self.fmt,
-                                  self.keep_queries, rows)
+                                  self.keep_queries, adaptive, kivi)
         # The kernels are reached through ``self`` (an input of the traced call): the compiler can only wrap
         # objects it can find again. (On torch 2.11 it also failed on ForwardContext's default value: see there.)
         hidden = self.model(input_ids, positions, ForwardContext(cache, self.kernels))  # type: ignore[arg-type]
@@ -427,10 +515,10 @@ class CompiledDecode:
         self.compiled.add(bucket)
 
     def _call(self, bucket: tuple[int, int], ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor, compressed: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+              lens: torch.Tensor, row_extra: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         key = (bucket, torch.get_num_threads())
         if key in self._traced:
-            return self._step(ids, pos, tables, lens, compressed, *self._pool_inputs)
+            return self._step(ids, pos, tables, lens, row_extra, *self._pool_inputs)
         # May trace: inductor's source hashes from the on-disk store first (a warm start then loads its programs
         # without rehashing torch), and dynamo's limits raised for this call only (a patch costs ~30 us a step).
         prime_compiler_keys()
@@ -438,13 +526,13 @@ class CompiledDecode:
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
                                         accumulated_recompile_limit=max(
                                             limit, torch._dynamo.config.accumulated_recompile_limit)):
-            out = self._step(ids, pos, tables, lens, compressed, *self._pool_inputs)
+            out = self._step(ids, pos, tables, lens, row_extra, *self._pool_inputs)
         self._traced.add(key)
         return out
 
     def _new_inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths, and which rows are compressed
-        under adaptive KV precision), made outside inference mode: the compiler guards on how an input was made."""
+        """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths, and a per-row extra: see
+        :meth:`_forward`), made outside inference mode: the compiler guards on how an input was made."""
         rows, cols = bucket
         with torch.inference_mode(False):
             return (torch.zeros(rows, dtype=torch.int64, device=self.device),
@@ -478,8 +566,8 @@ class CompiledDecode:
         last ``compressed_rows`` rows are compressed requests' (their tables and slots name compressed blocks).
         """
         batch, width = block_tables.shape
-        ids, pos, tables, lens, compressed = self._inputs(bucket)
-        for t in (ids, pos, tables, compressed):
+        ids, pos, tables, lens, extra = self._inputs(bucket)
+        for t in (ids, pos, tables, extra):
             t.zero_()
         lens.fill_(1)
         ids[:batch].copy_(input_ids)
@@ -488,12 +576,20 @@ class CompiledDecode:
         lens[:batch].copy_(context_lens)
         full = batch - compressed_rows
         if compressed_rows:
-            compressed[full:batch].fill_(1)
+            extra[full:batch].fill_(1)
+        if self.kivi:  # each new token's row in the residual window (negative: written whole as codes)
+            extra[:batch].copy_(slot_mapping - self.pool.num_blocks * self.pool.block_size)
         logits, new_k, new_v, new_k_scales, new_v_scales, queries, new_k_codes, new_v_codes = self._call(
-            bucket, ids, pos, tables, lens, compressed)
+            bucket, ids, pos, tables, lens, extra)
         self.compiled.add(bucket)
         slots = slot_mapping.to(torch.int64)
-        if self._flat_codes is not None:  # adaptive: floats for full-precision rows, codes for compressed ones
+        if self.kivi:  # the step's writes as its plan says (the window's rows; blocks filled sealed), layer by layer
+            assert new_k is not None and new_v is not None
+            for layer in range(new_k.shape[0]):
+                k_cache, v_cache = self.pool.layer(layer, new_k.dtype)
+                k_cache.store(slots, new_k[layer, :batch])  # type: ignore[union-attr]
+                v_cache.store(slots, new_v[layer, :batch])  # type: ignore[union-attr]
+        elif self._flat_codes is not None:  # adaptive: floats for full-precision rows, codes for compressed ones
             self._flat_k.index_copy_(1, slots[:full], new_k[:, :full].to(self.pool.k.dtype))  # type: ignore[index]
             self._flat_v.index_copy_(1, slots[:full], new_v[:, :full].to(self.pool.v.dtype))  # type: ignore[index]
             parts = slots[full:batch]
@@ -534,6 +630,10 @@ class CompiledDecode:
                 count = threads(rows) if threads is not None else None
                 if count is not None and count != torch.get_num_threads():
                     torch.set_num_threads(count)
+                if self.kivi:  # its writes follow a step's plan, which a dummy step has not: trace, store nothing
+                    self._call((rows, cols), *self._inputs((rows, cols)))
+                    self.compiled.add((rows, cols))
+                    continue
                 zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
                 self.run(zeros, zeros, torch.zeros(rows, cols, dtype=torch.int32, device=self.device),
                          torch.ones(rows, dtype=torch.int32, device=self.device), zeros, (rows, cols))

@@ -9,11 +9,6 @@ from types import SimpleNamespace
 from minipd.errors import ParameterError
 from minipd.sampling_params import is_integer, is_real
 
-#: KV cache formats the compiled decode step does not read, and why (every other format it does).
-COMPILE_UNCOVERED_KV: dict[str, str] = {
-    "int4": "KIVI keeps each filling block in a full-precision window that an eager step updates",
-}
-
 
 @dataclass
 class EngineConfig:
@@ -283,11 +278,6 @@ class EngineConfig:
             raise ParameterError("compile_decode",
                                  "compile_decode covers models whose experts are all in this process; with "
                                  "expert_parallel_size > 1 pass compile_decode=False")
-        if self.compile_decode is True and self.kv_cache_dtype in COMPILE_UNCOVERED_KV:
-            why = COMPILE_UNCOVERED_KV[self.kv_cache_dtype]
-            raise ParameterError("compile_decode", f"compile_decode does not cover kv_cache_dtype="
-                                                   f"{self.kv_cache_dtype!r} ({why}): pass compile_decode=False, "
-                                                   "or a per-token format ('int8', 'fp8', 'int4_per_token')")
 
     def _check_adaptive(self) -> None:
         from minipd.kv.quant import PER_TOKEN_FORMATS as formats

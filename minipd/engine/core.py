@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minipd.engine.config import COMPILE_UNCOVERED_KV, EngineConfig
+from minipd.engine.config import EngineConfig
 from minipd.engine.eviction import Evictor
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
@@ -134,13 +134,11 @@ class EngineCore(StepCore):
                "moe_capacity_factor (drops by capacity)" if config.moe_capacity_factor is not None else
                "record_routing" if config.record_routing else
                "moe_backend='triton'" if config.moe_backend == "triton" else None)
-        if setting is True:  # (KIVI caches and remote experts were refused by EngineConfig already)
+        if setting is True:  # (remote experts were refused by EngineConfig already)
             if gap is not None:
                 raise ValueError(f"compile_decode does not cover {gap}: pass compile_decode=False")
             return True, "asked for"
-        uncovered = gap or (
-            f"kv_cache_dtype={config.kv_cache_dtype!r}" if config.kv_cache_dtype in COMPILE_UNCOVERED_KV
-            else "experts in other processes" if config.expert_parallel_size > 1 else None)
+        uncovered = gap or ("experts in other processes" if config.expert_parallel_size > 1 else None)
         if uncovered is not None:
             return False, f"auto: the compiled step does not cover {uncovered}"
         if not self.config.long_lived:
