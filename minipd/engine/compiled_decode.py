@@ -387,7 +387,8 @@ class CompiledDecode:
         self._flat_k = pool.k.view(num_layers, num_blocks * block_size, *pool.k.shape[3:])
         self._flat_v = pool.v.view(num_layers, num_blocks * block_size, *pool.v.shape[3:])
         #: What the programs read besides the step's inputs: the pool's K and V, the scales of its codes (or
-        #: of an adaptive pool's compressed blocks) and an adaptive pool's pages seen as compressed blocks.
+        #: of an adaptive pool's compressed blocks), and an adaptive pool's pages seen as compressed blocks or
+        #: KIVI's residual window.
         self._pool_inputs: tuple[torch.Tensor | None, ...] = (pool.k, pool.v, pool.k_scale, pool.v_scale, None, None)
         #: The per-token scales of a quantized pool, one row per token slot (None for a plain pool).
         self._flat_scales: tuple[torch.Tensor, torch.Tensor] | None = None
