@@ -228,20 +228,26 @@ def test_compiled_decode_reads_and_writes_a_quantized_pool_like_eager(kv_cache_d
     """Per-token formats: the program quantizes each new row and attends to it as read back from its codes, as an
     eager step attends to the row it has just stored; the pool gets the same codes and scales."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (16, 7, 3)]
-    options = dict(kv_cache_dtype=kv_cache_dtype, max_model_len=64, max_num_seqs=4, num_kv_blocks=32)
+    _compiled_pool_matches_eager(dict(kv_cache_dtype=kv_cache_dtype, max_model_len=64, max_num_seqs=4,
+                                      num_kv_blocks=32), params, scale_atol=0)
+
+
+def _compiled_pool_matches_eager(options: dict, params: list, scale_atol: float):
+    """Compiled and eager engines on PROMPTS: the same outputs, and pools with the same codes and scales (the same
+    blocks are used in the same order; a row whose float K/V differ in the last bits between the two programs
+    may round one code the other way). Returns both pools (compiled, eager)."""
     eager = LLM("tiny-py", **options)
     want = eager.generate(PROMPTS, params)
     llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
     got = llm.generate(PROMPTS, params)
     assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
     _assert_same_outputs(got, want, 1e-3)
-    # The same blocks were used in the same order: the pools hold the same codes (a row whose float K/V differ in
-    # the last bits between the two programs may round one code the other way) and the same scales.
     mine, theirs = llm.engine.core.pool, eager.engine.core.pool
     for codes, want_codes in ((mine.k, theirs.k), (mine.v, theirs.v)):
         assert (codes == want_codes).float().mean() > 0.999
     for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
-        torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=0)
+        torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=scale_atol)
+    return mine, theirs
 
 
 @pytest.mark.parametrize("block_size", [8, 1])
@@ -253,17 +259,7 @@ def test_compiled_decode_covers_kivi_int4(block_size):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (21, 9, 14)]
     options = dict(kv_cache_dtype="int4", max_model_len=64, max_num_seqs=4, num_kv_blocks=48 * 8 // block_size,
                    block_size=block_size, enable_prefix_caching=False)
-    eager = LLM("tiny-py", **options)
-    want = eager.generate(PROMPTS, params)
-    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
-    got = llm.generate(PROMPTS, params)
-    assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
-    _assert_same_outputs(got, want, 1e-3)
-    mine, theirs = llm.engine.core.pool, eager.engine.core.pool
-    for codes, want_codes in ((mine.k, theirs.k), (mine.v, theirs.v)):
-        assert (codes == want_codes).float().mean() > 0.999
-    for scales, want_scales in ((mine.k_scale, theirs.k_scale), (mine.v_scale, theirs.v_scale)):
-        torch.testing.assert_close(scales.float(), want_scales.float(), rtol=2e-3, atol=1e-6)
+    mine, theirs = _compiled_pool_matches_eager(options, params, scale_atol=1e-6)
     for window, want_window in ((mine.residual_k, theirs.residual_k), (mine.residual_v, theirs.residual_v)):
         torch.testing.assert_close(window, want_window, rtol=1e-4, atol=1e-4)
 
