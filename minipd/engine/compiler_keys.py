@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
-from minipd.kernels.measured import choices_file
+from minipd.kernels.measured import choices_file, read_json, write_json
 
 logger = logging.getLogger("minipd")
 
@@ -50,22 +49,6 @@ def install_fingerprint(root: str) -> str:
                 continue
             digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
-
-
-def _read() -> dict[str, Any]:
-    try:
-        data = json.loads(keys_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write(data: dict[str, Any]) -> None:
-    path = keys_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def _encode(value: bytes | str | None) -> dict[str, Any]:
@@ -104,7 +87,7 @@ def prime_compiler_keys() -> dict[str, str]:
             from torch._inductor import codecache
         except ImportError as err:
             return {"all": f"left to inductor ({err})"}
-        stored, outcome, changed = _read(), {}, False
+        stored, outcome, changed = read_json(keys_file()), {}, False
         for name, root in _package_roots().items():
             function = getattr(codecache, name, None)
             if function is None or not hasattr(function, "set"):
@@ -126,7 +109,7 @@ def prime_compiler_keys() -> dict[str, str]:
                 outcome[name] = f"left to inductor ({type(err).__name__}: {err})"
         if changed:
             try:
-                _write(stored)
+                write_json(keys_file(), stored)
             except OSError as err:
                 logger.info("compile_decode: could not keep the compiler's keys in %s (%s)", keys_file(), err)
         return outcome

@@ -62,12 +62,25 @@ def choices_file() -> Path:
     return Path(folder) / "measured.json"
 
 
-def _read() -> dict[str, dict[str, Any]]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object kept in minipd's cache folder, or ``{}`` when it is missing, unreadable or not an object."""
     try:
-        data = json.loads(choices_file().read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a reader sees the old file or the new one, never half of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _read() -> dict[str, dict[str, Any]]:
+    return read_json(choices_file())
 
 
 def measured_choice(name: str, threads: int | None = None) -> Any:
@@ -82,12 +95,9 @@ def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -
     data = _read()
     data.setdefault(machine_key(threads), {})[name] = record
     path = choices_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_json(path, data)
     return path
 
 
 __all__ = ["FEATURES", "MARGIN", "TIE", "choices_file", "cpu_description", "machine_key", "measured_choice",
-           "save_choice"]
+           "read_json", "save_choice", "write_json"]
