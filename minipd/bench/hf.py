@@ -278,6 +278,8 @@ def _compile_start(llm, began: float, built: float) -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from tqdm.auto import tqdm
 
+    from minipd.engine.program_cache import programs_dir
+
     compiled = llm.engine.core.runner.compiled
     if compiled is None:
         return f"built in {built:.1f} s"
@@ -289,7 +291,8 @@ def _compile_start(llm, began: float, built: float) -> str:
         return f"built in {built:.1f} s; no program compiled (see the log)"
     started = compiled.compile_started - began  # compiling begins in the background while the engine is built
     return (f"built in {built:.1f} s; first decode program ready {started + ready[0]:.1f} s after the start, all "
-            f"{len(ready)} after {started + ready[-1]:.1f} s (the compiler's on-disk cache: {cache_dir()})")
+            f"{len(ready)} after {started + ready[-1]:.1f} s, {len(compiled.loaded)} loaded whole from "
+            f"{programs_dir()} (the compiler's own on-disk cache: {cache_dir()})")
 
 
 WARM_START_SCRIPT = """
@@ -302,14 +305,16 @@ built = time.perf_counter() - began
 compiled = llm.engine.core.runner.compiled
 compiled.wait_until_compiled()
 started = compiled.compile_started - began
-print(json.dumps({"built": built, "started": started, "ready": [started + t for t in compiled.ready_after]}))
+print(json.dumps({"built": built, "started": started, "ready": [started + t for t in compiled.ready_after],
+                  "loaded": len(compiled.loaded)}))
 """
 
 
 def warm_start(model: str, sizes: tuple[int, ...], timeout: float = 900) -> dict[str, Any]:
     """Start the same long-lived engine in a fresh process (the compiler's on-disk cache now warm): seconds from
     the start (imports included) to the engine built (``built``), to its background compilation started
-    (``started``: while it is being built) and to each decode program ready (``ready``)."""
+    (``started``: while it is being built) and to each decode program ready (``ready``), and how many programs
+    were loaded whole from minipd's program cache (``loaded``; the others were traced)."""
     out = subprocess.run([sys.executable, "-c", WARM_START_SCRIPT, model, json.dumps(list(sizes))],
                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0:
@@ -431,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  warm start (a second process, same engine): built {warm['built']:.1f} s after the process started "
               f"(imports and loading included); its first decode program {first:.1f} s after compiling began "
               f"(in the background, {warm['started']:.1f} s after the start), so ready {warm['ready'][0]:.1f} s "
-              f"after the start, all {len(warm['ready'])} after {warm['ready'][-1]:.1f} s   "
+              f"after the start, all {len(warm['ready'])} after {warm['ready'][-1]:.1f} s "
+              f"({warm['loaded']} loaded whole from the program cache)   "
               f"target <= 5 s for the first  {'met' if first <= 5 else 'MISSED'}  [{_machine}]")
     floor = measure_floor() if llm.device.type == "cpu" else None
     if floor is not None:

@@ -23,7 +23,10 @@ in the background (:meth:`CompiledDecode.compile_in_background`): smallest bucke
 bucket is not ready yet run eagerly, so no step ever waits for the compiler. The weights are inputs of
 the program, read where they lie (not frozen into it as constants: that saved nothing a step here, and
 a frozen program cannot be reloaded whole from the compiler's on-disk cache, so a second start of the same
-engine took 4.2 s to ready its first program instead of 2.9). Steps the compiled program does not cover
+engine took 4.2 s to ready its first program instead of 2.9). On a CPU each program is also kept whole on disk
+(:mod:`minipd.engine.program_cache`: torch's AOT precompile, keyed by everything the trace depends on), so a
+later process loads it with nothing traced: a warm start of tiny-py's 11 programs went from ~5 s to its first
+program and ~9 s to all of them to 2.7 s and 3.4 s. Steps the compiled program does not cover
 run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a layer hook
 (layer-wise KV transfer), prompt log-probabilities.
 
@@ -44,9 +47,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from minipd.engine import program_cache
 from minipd.engine.compiler_keys import prime_compiler_keys
 from minipd.kernels.backend import TORCH_BACKEND
 from minipd.kernels.mla import LatentUpProjection, paged_mla_decode_with_new
@@ -368,6 +373,20 @@ class CompiledDecode:
                        "emulate_precision_casts": True}
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
+        self._cpu_options = cpu_options
+        #: On a CPU, each program is precompiled whole (torch's AOT precompile) and kept on disk, so that a
+        #: later process loads it with nothing traced (:mod:`minipd.engine.program_cache`; the key stands in
+        #: for the guards, which these programs skip). CUDA graphs stay on the traced path.
+        self._precompile = not cuda and program_cache.enabled()
+        self._aot_step = torch.compile(self._forward, fullgraph=True, dynamic=False, options={
+            **cpu_options, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}) if self._precompile else None
+        #: The precompiled programs, by (bucket, thread count).
+        self._programs: dict[tuple[tuple[int, int], int], Callable[..., tuple[torch.Tensor | None, ...]]] = {}
+        #: Buckets whose program was loaded from disk (the others were traced in this process).
+        self.loaded: set[tuple[int, int]] = set()
+        #: Each precompiled bucket's file on disk (loaded from it, or kept in it).
+        self.program_files: dict[tuple[int, int], Path] = {}
+        self._model_description: dict | None = None
         #: (batch bucket, width bucket) pairs compiled so far.
         self.compiled: set[tuple[int, int]] = set()
         #: While compiling in the background: the buckets steps may use (the ones compiled); None otherwise.
@@ -518,11 +537,19 @@ class CompiledDecode:
     def _call(self, bucket: tuple[int, int], ids: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
               lens: torch.Tensor, row_extra: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         key = (bucket, torch.get_num_threads())
+        program = self._programs.get(key)
+        if program is not None:
+            return program(self, ids, pos, tables, lens, row_extra, *self._pool_inputs)
         if key in self._traced:
             return self._step(ids, pos, tables, lens, row_extra, *self._pool_inputs)
         # May trace: inductor's source hashes from the on-disk store first (a warm start then loads its programs
         # without rehashing torch), and dynamo's limits raised for this call only (a patch costs ~30 us a step).
         prime_compiler_keys()
+        if self._precompile:
+            program = self._precompiled(bucket, (ids, pos, tables, lens, row_extra))
+            if program is not None:
+                self._programs[key] = program
+                return program(self, ids, pos, tables, lens, row_extra, *self._pool_inputs)
         limit = 2 * CompiledDecode._graphs + 8
         with torch._dynamo.config.patch(recompile_limit=max(limit, torch._dynamo.config.recompile_limit),
                                         accumulated_recompile_limit=max(
@@ -530,6 +557,73 @@ class CompiledDecode:
             out = self._step(ids, pos, tables, lens, row_extra, *self._pool_inputs)
         self._traced.add(key)
         return out
+
+    def _precompiled(self, bucket: tuple[int, int], inputs: tuple[torch.Tensor, ...]
+                     ) -> Callable[..., tuple[torch.Tensor | None, ...]] | None:
+        """``bucket``'s program loaded from disk (if one was kept for this very step and agrees with the eager
+        step on a probe), else precompiled now and kept; None if torch cannot precompile it (then it is traced)."""
+        args = (*inputs, *self._pool_inputs)
+        key = self._program_key(bucket, args)
+        external = {"decode": self, "model": self.model}  # live objects: referred to by the file, not written
+        program = program_cache.load(key, external)
+        if program is not None:
+            if self._agrees_with_eager(program, bucket):
+                self.loaded.add(bucket)
+                self.program_files[bucket] = program_cache.path_for(key)
+                return program
+            logger.warning("compile_decode: the program kept for bucket %s differs from the eager step; tracing it "
+                           "again", bucket)
+        try:
+            with program_cache.stable_graph_name(program_cache.graph_name(key)):
+                program = self._aot_step.aot_compile((args, {}))  # type: ignore[union-attr]
+        except Exception as err:  # an op or input the precompiler does not take: the traced path
+            logger.info("compile_decode: bucket %s not precompiled (%s: %s); traced instead", bucket,
+                        type(err).__name__, err)
+            return None
+        program.disable_guard_check()  # its guards were left out on purpose: the key covers them
+        saved = program_cache.save(program, key, external)
+        if saved is not None:
+            self.program_files[bucket] = saved
+        return program
+
+    def _program_key(self, bucket: tuple[int, int], args: tuple[torch.Tensor | None, ...]) -> str:
+        """The on-disk key of ``bucket``'s program: everything its trace depends on (see
+        :mod:`minipd.engine.program_cache`)."""
+        import torch._inductor.config as inductor_config
+
+        if self._model_description is None:
+            self._model_description = program_cache.describe_model(self.model)
+        inductor = {k: v for k, v in inductor_config.save_config_portable().items()
+                    if k not in ("compile_threads", "worker_start_method")}
+        describe = program_cache.describe
+        return program_cache.program_key({
+            "program": "minipd decode step", "bucket": list(bucket), "model": self._model_description,
+            "step": {"kivi": self.kivi, "adaptive": self.adaptive, "fmt": describe(self.fmt),
+                     "keep_queries": self.keep_queries, "attend": describe(self.attend),
+                     "kernels": describe(self.kernels), "pool": describe(self.pool, depth=1)},
+            "inputs": [describe(a) for a in args], "options": describe(self._cpu_options),
+            "inductor": describe(inductor), "default_dtype": str(torch.get_default_dtype())})
+
+    def _agrees_with_eager(self, program: Callable[..., tuple[torch.Tensor | None, ...]],
+                           bucket: tuple[int, int]) -> bool:
+        """Whether a loaded program gives the eager step's logits on a probe (random tokens and positions, each
+        row attending to its own token), and the same outputs present: a last check that the key missed nothing
+        that shapes the step."""
+        ids, pos, tables, lens, extra = self._new_inputs(bucket)
+        generator = torch.Generator().manual_seed(0)
+        ids.copy_(torch.randint(0, self.model.embed_tokens.num_embeddings, ids.shape, generator=generator))
+        pos.copy_(torch.randint(0, 64, pos.shape, generator=generator))
+        args = (ids, pos, tables, lens, extra, *self._pool_inputs)
+        try:
+            got, want = program(self, *args), self._forward(*args)
+        except Exception as err:
+            logger.info("compile_decode: a loaded program failed its probe (%s: %s)", type(err).__name__, err)
+            return False
+        if [t is None for t in got] != [t is None for t in want] or got[0] is None or want[0] is None:
+            return False
+        tolerance = 1e-4 if want[0].dtype == torch.float32 else 2e-2
+        scale = 1.0 + float(want[0].abs().max())
+        return got[0].shape == want[0].shape and float((got[0] - want[0]).abs().max()) <= tolerance * scale
 
     def _new_inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         """Fresh input tensors of a bucket's shape (ids, positions, tables, lengths, and a per-row extra: see

@@ -208,6 +208,8 @@ class EngineCore(StepCore):
             what += f", {len(compiled.ready)} of {compiled.num_buckets} programs ready"
             if compiled.compiling:
                 what += ", compiling in the background"
+        if compiled.loaded:
+            what += f", {len(compiled.loaded)} loaded from disk"
         return f"on ({what}{'' if why == 'asked for' else '; ' + why})"
 
     def describe(self) -> dict:
