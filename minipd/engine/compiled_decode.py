@@ -25,8 +25,9 @@ the program, read where they lie (not frozen into it as constants: that saved no
 a frozen program cannot be reloaded whole from the compiler's on-disk cache, so a second start of the same
 engine took 4.2 s to ready its first program instead of 2.9). On a CPU each program is also kept whole on disk
 (:mod:`minipd.engine.program_cache`: torch's AOT precompile, keyed by everything the trace depends on), so a
-later process loads it with nothing traced: a warm start of tiny-py's 11 programs went from ~5 s to its first
-program and ~9 s to all of them to 2.7 s and 3.4 s. Steps the compiled program does not cover
+later process loads it with nothing traced: a warm start of tiny-py's 11 programs readies the first 2.6–3.8 s
+after compiling began and all after 3.4–4.7 s, against 4.7–5.2 s and 17.7–19.2 s traced again (2-core EPYC).
+Steps the compiled program does not cover
 run eagerly: anything with a prefill chunk, a batch or context beyond the largest bucket, a layer hook
 (layer-wise KV transfer), prompt log-probabilities.
 
