@@ -60,11 +60,14 @@ def test_a_second_engine_loads_every_program_traces_nothing_and_gives_the_eager_
         assert stat.S_IMODE(path.stat().st_mode) & 0o022 == 0
     assert _tokens(first) == eager_tokens
 
+    for path in files:  # made to look old: loading them marks them used (the folder is trimmed by last use)
+        os.utime(path, ns=(10**18, 10**18))
     captured = _captured()
     second = LLM("tiny-py", **OPTIONS)
     again = second.engine.core.runner.compiled
     assert again.loaded == again.compiled == compiled.compiled
     assert _captured() == captured  # loaded, not traced
+    assert all(path.stat().st_mtime_ns > 10**18 for path in files)
     assert _tokens(second) == eager_tokens
     assert _captured() == captured
 
@@ -214,3 +217,23 @@ def test_the_source_fingerprint_follows_contents_not_times(tmp_path):
     assert program_cache.folder_fingerprint(tmp_path) == first
     (tmp_path / "a.py").write_text("x = 2\n")
     assert program_cache.folder_fingerprint(tmp_path) != first
+
+
+def test_the_folder_is_trimmed_least_recently_used_first_and_nothing_else_is_touched(programs, monkeypatch):
+    programs.mkdir(parents=True)
+    names = [f"{i:064x}.program" for i in range(4)]
+    for age, name in enumerate(names):  # the first is the oldest
+        path = programs / name
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, ns=(10**18 + age * 10**9, 10**18 + age * 10**9))
+    strangers = [programs / "notes.txt", programs / "abc.program"]
+    for path in strangers:
+        path.write_bytes(b"y" * 5000)
+    removed = program_cache.trim(2500)
+    assert [p.name for p in removed] == names[:2]
+    assert sorted(p.name for p in programs.iterdir()) == sorted([*names[2:], "abc.program", "notes.txt"])
+    assert program_cache.trim(2500) == []
+    monkeypatch.setenv(program_cache.LIMIT_ENV, "1.5")
+    assert program_cache.limit_bytes() == int(1.5 * 2**20)
+    monkeypatch.setenv(program_cache.LIMIT_ENV, "lots")
+    assert program_cache.limit_bytes() == 2048 * 2**20

@@ -18,7 +18,9 @@ it is used; if they differ it is discarded and traced again (overwriting the fil
 The files are pickles (torch's format for these programs): they are only read from minipd's own cache folder
 (:func:`programs_dir`, under ``$MINIPD_CACHE_DIR`` or ``~/.cache/minipd``), only if the current user owns them
 and nobody else can write them or their folder, never from a socket. ``MINIPD_PROGRAM_CACHE=0`` turns the
-cache off (programs are then traced in every process, through inductor's caches as before).
+cache off (programs are then traced in every process, through inductor's caches as before). The folder is kept
+under ``MINIPD_PROGRAM_CACHE_MB`` (2,048 by default) by removing the least recently used programs, and nothing
+else in it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import re
 import stat
 import sys
 import threading
@@ -47,6 +50,10 @@ logger = logging.getLogger("minipd")
 
 #: Set to ``0`` to keep no program on disk (and load none).
 ENV_SWITCH = "MINIPD_PROGRAM_CACHE"
+#: Megabytes the programs may take on disk (see :func:`limit_bytes`).
+LIMIT_ENV = "MINIPD_PROGRAM_CACHE_MB"
+#: A program's file name: its key (a SHA-256, hex) and the suffix; :func:`trim` touches nothing else.
+_PROGRAM_NAME = re.compile(r"[0-9a-f]{64}\.program")
 #: Bumped when what a file holds, or what the key covers, changes.
 FORMAT_VERSION = 1
 #: The attributes every ``nn.Module`` has for torch's own bookkeeping (parameters, hooks...): not the model's.
@@ -219,6 +226,8 @@ def load(key: str, external: dict[str, Any]) -> Callable[..., Any] | None:
         logger.info("compile_decode: stored program %s did not load (%s: %s)", path.name, type(err).__name__, err)
         return None
     program.disable_guard_check()  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):
+        os.utime(path)  # recently used: the last to go when the folder is trimmed
     return program
 
 
@@ -233,8 +242,41 @@ def save(program: Any, key: str, external: dict[str, Any]) -> Path | None:
     except Exception as err:
         logger.info("compile_decode: program not kept on disk (%s: %s)", type(err).__name__, err)
         return None
+    trim(limit_bytes())
     return path_for(key)
 
 
-__all__ = ["ENV_SWITCH", "describe", "describe_model", "enabled", "folder_fingerprint", "graph_name", "load",
-           "path_for", "program_key", "programs_dir", "save", "source_fingerprint", "stable_graph_name"]
+def limit_bytes() -> int:
+    """How much the programs may take on disk: ``MINIPD_PROGRAM_CACHE_MB`` megabytes, 2,048 by default (a
+    tiny-py program is ~0.6 MB; every change of minipd's source or of an engine's shape adds a new set)."""
+    try:
+        return int(float(os.environ.get(LIMIT_ENV, "2048")) * 2**20)
+    except ValueError:
+        return 2048 * 2**20
+
+
+def trim(limit: int) -> list[Path]:
+    """Remove the least recently used programs until the folder holds at most ``limit`` bytes of them; returns
+    what was removed. Only files named as this module names programs are counted or removed: nothing else in
+    the folder is touched."""
+    entries = []
+    for path in programs_dir().glob("*.program"):
+        if _PROGRAM_NAME.fullmatch(path.name):
+            with contextlib.suppress(OSError):
+                info = path.stat()
+                entries.append((info.st_mtime_ns, info.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+            total -= size
+    return removed
+
+
+__all__ = ["ENV_SWITCH", "LIMIT_ENV", "describe", "describe_model", "enabled", "folder_fingerprint", "graph_name",
+           "limit_bytes", "load", "path_for", "program_key", "programs_dir", "save", "source_fingerprint",
+           "stable_graph_name", "trim"]
