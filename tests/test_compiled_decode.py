@@ -368,25 +368,6 @@ def test_auto_compiles_a_long_lived_engine_in_the_background_and_no_step_waits_f
     llm.close()
 
 
-@pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])
-def test_a_long_lived_engine_runs_programs_with_a_cpp_wrapper_like_eager(model):
-    # Compiled in the background, once, and kept on disk: a long-lived engine's programs call their kernels from
-    # C++ (inductor's cpp_wrapper), a compile that is slower but a step that is not; outputs stay the eager ones.
-    need_cpu_kernel()
-    options = dict(max_model_len=64, max_num_seqs=4)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (16, 9, 4)]
-    eager = LLM(model, **options).generate(PROMPTS, params)
-    llm = LLM(model, long_lived=True, compile_batch_sizes=(4,), **options)
-    compiled = llm.engine.core.runner.compiled
-    assert compiled._cpu_options.get("cpp_wrapper") is True
-    assert compiled.wait_until_compiled(timeout=600) and compiled.ready == {(4, 4)}
-    _assert_same_outputs(llm.generate(PROMPTS, params), eager, 1e-4)
-    llm.close()
-    # An engine asked to compile (a notebook's) keeps the quicker Python wrapper.
-    asked = LLM(model, compile_decode=True, compile_batch_sizes=(4,), **options).engine.core.runner.compiled
-    assert "cpp_wrapper" not in asked._cpu_options
-
-
 def test_auto_compiles_only_when_the_engine_is_idle_or_has_waited_long_enough(monkeypatch):
     # A program being traced holds the interpreter for seconds: the background thread starts one only while
     # the engine has no request running (or after COMPILE_WAIT_FOR_IDLE_S of waiting for that).

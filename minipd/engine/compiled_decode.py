@@ -324,10 +324,6 @@ class CompiledDecode:
             for a kernel that reads each sequence's blocks only up to its length: one graph per batch size.
         keep_queries: programs also return each layer's queries, which :meth:`observe` shows to an attention
             observer after the step (eviction by received attention: H2O, SnapKV).
-        cpp_wrapper: on a CPU, have the compiler write the code that calls a program's kernels in C++ rather
-            than Python (inductor's ``cpp_wrapper``): ~0.3 ms less a step at one stream on tiny-py (about a third
-            of the program), for a compile ~3-6x as long; worth it where compiling happens once, in the
-            background, and the programs are kept on disk (a long-lived engine).
     """
 
     #: Buckets of every instance so far (see the recompile limit in ``__init__``).
@@ -335,7 +331,7 @@ class CompiledDecode:
 
     def __init__(self, model: DecoderModel, pool: PagedKVPool, attend: Callable[..., torch.Tensor],
                  batch_sizes: Sequence[int], max_blocks: int, width_buckets: bool = True,
-                 keep_queries: bool = False, cpp_wrapper: bool = False) -> None:
+                 keep_queries: bool = False) -> None:
         spec = pool.spec
         self.model = model
         self.pool = pool
@@ -375,7 +371,7 @@ class CompiledDecode:
         # round as eager ones do: inductor would keep them in fp32 inside a fused loop, and a quantized pool's
         # codes would then be computed with a scale other than the fp16 one stored beside them.
         cpu_options = {"freezing": False, "size_asserts": False, "alignment_asserts": False,
-                       "emulate_precision_casts": True, **({"cpp_wrapper": True} if cpp_wrapper else {})}
+                       "emulate_precision_casts": True}
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
         self._cpu_options = cpu_options

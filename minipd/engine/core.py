@@ -181,15 +181,12 @@ class EngineCore(StepCore):
         largest = self.config.max_num_seqs if not self.moe_layers else min(self.config.max_num_seqs, TRACED_SUM_ROWS)
         sizes = self.config.compile_batch_sizes or bucket_sizes(largest)
         watched = self.evictor is not None and self.evictor.tracker is not None  # eviction by received attention
-        cpu = self.device.type == "cpu"
-        # A long-lived engine compiles in the background, once (its programs are kept on disk): there the
-        # slower compile of a C++ wrapper pays for itself in every step.
-        background = self.config.compile_decode == "auto" and not self.config.compile_warmup
         compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
-                                  width_buckets=not kernel, keep_queries=watched, cpp_wrapper=cpu and background)
+                                  width_buckets=not kernel, keep_queries=watched)
+        cpu = self.device.type == "cpu"
         if self.config.compile_warmup:
             compiled.warm_up(threads=(lambda rows: self._compiled_threads()) if cpu else None)
-        elif background:
+        elif self.config.compile_decode == "auto":
             compiled.compile_in_background(self._compiled_threads() if cpu else None)
         return compiled
 
