@@ -575,7 +575,7 @@ class CompiledDecode:
             logger.warning("compile_decode: the program kept for bucket %s differs from the eager step; tracing it "
                            "again", bucket)
         try:
-            with program_cache.stable_graph_name(program_cache.graph_name(key)):
+            with program_cache.stable_graph_name(key):
                 program = self._aot_step.aot_compile((args, {}))  # type: ignore[union-attr]
         except Exception as err:  # an op or input the precompiler does not take: the traced path
             logger.info("compile_decode: bucket %s not precompiled (%s: %s); traced instead", bucket,

@@ -158,7 +158,7 @@ def _unique_id(prefix: str, with_uuid: bool = False) -> str:
 _names_given: dict[str, int] = {}
 
 
-def graph_name(key: str) -> str:
+def _graph_name(key: str) -> str:
     """The name the graph of the program under ``key`` is given: the same in every process for its first
     precompile there (what AOTAutograd's cache needs, see :func:`stable_graph_name`), numbered after that
     (a name can be defined only once in a process)."""
@@ -169,9 +169,9 @@ def graph_name(key: str) -> str:
 
 
 @contextlib.contextmanager
-def stable_graph_name(name: str) -> Iterator[None]:
-    """While this thread precompiles, the graph Dynamo hands the compiler is called ``name`` rather than a fresh
-    random one.
+def stable_graph_name(key: str) -> Iterator[None]:
+    """While this thread precompiles the program under ``key``, the graph Dynamo hands the compiler gets a name
+    made from the key rather than a fresh random one.
 
     The name is part of the key of AOTAutograd's cache, the only compiler cache a precompile consults (inductor's
     FX-graph cache is skipped for bundled programs): with a random name no precompile ever found the work of an
@@ -186,7 +186,7 @@ def stable_graph_name(name: str) -> Iterator[None]:
             if _original_unique_id is not None:
                 output_graph.unique_id = _unique_id
         _patch_users += 1
-    _naming.name = name
+    _naming.name = _graph_name(key)
     try:
         yield
     finally:
@@ -207,6 +207,7 @@ def _private(path: Path) -> bool:
 
 
 def path_for(key: str) -> Path:
+    """The file of the program under ``key``."""
     return programs_dir() / f"{key}.program"
 
 
@@ -277,6 +278,6 @@ def trim(limit: int) -> list[Path]:
     return removed
 
 
-__all__ = ["ENV_SWITCH", "LIMIT_ENV", "describe", "describe_model", "enabled", "folder_fingerprint", "graph_name",
+__all__ = ["ENV_SWITCH", "LIMIT_ENV", "describe", "describe_model", "enabled", "folder_fingerprint",
            "limit_bytes", "load", "path_for", "program_key", "programs_dir", "save", "source_fingerprint",
            "stable_graph_name", "trim"]
