@@ -244,10 +244,13 @@ def test_the_load_generator_reconciles_with_the_servers_metrics(tmp_path):
     assert metrics[("vllm:num_requests_running", label)] == 0
     # The schedule was kept, and client and server agree on how long the first token took.
     assert report["p99_dispatch_lag_ms"] <= 5.0, report["p99_dispatch_lag_ms"]
-    # (The gap is the HTTP hops and the client's own loop: a few ms, more when another process shares the cores;
-    # 6 ms of 41 was seen with a compiler running beside the test.)
+    # The client's clock holds the server's (it starts before the request leaves and stops after the token
+    # arrives), so its median cannot be the lower one; the gap is the HTTP hops and the two event loops: a few
+    # ms when quiet, 6 ms of 38 seen in CI on two shared cores. A server that timed the wrong span (the whole
+    # request, or from admission after a queue) would break one bound or the other.
     client_p50, server_p50 = report["median_ttft_ms"], float(np.median(server_ttfts)) * 1000
-    assert abs(client_p50 - server_p50) <= max(5.0, 0.15 * server_p50), (client_p50, server_p50)
+    assert client_p50 >= server_p50 - 0.5, (client_p50, server_p50)
+    assert client_p50 - server_p50 <= max(15.0, 0.4 * server_p50), (client_p50, server_p50)
     planned = synthetic_workload(60, 20, "16:96", "4:24", seed=3)
     assert report["output_lens"] == [p.output_len for p in planned]
     assert report["input_lens"] == [p.prompt_len for p in planned]
