@@ -20,12 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minipd.kernels.measured import last_level_cache_bytes
+
 #: Rows up to which an eager call multiplies against the transposed copy (MKL's and oneDNN's paths lose there).
 SMALL_ROWS = 1
 #: Rows up to which a *compiled* call is written as a multiply-and-sum the compiler generates itself
-#: (see :func:`rows_linear`). Measured on the 2-core AMD EPYC, the 24 linears of tiny-py, compiled: at 1 row
-#: 0.20 ms against oneDNN's 1.54 ms (2 threads), at 8 rows 1.32 against 2.61, at 16 rows 1.85 against 2.39.
+#: (see :func:`rows_linear`), while the model's linears fit in the CPU's last-level cache. Measured on the
+#: 2-core AMD EPYC, the 24 linears of tiny-py, compiled: at 1 row 0.20 ms against oneDNN's 1.54 ms (2 threads),
+#: at 8 rows 1.32 against 2.61, at 16 rows 1.85 against 2.39.
 TRACED_SUM_ROWS = 16
+#: The same when they do not fit: the loop reads the weight once per row, from memory. The 40 linears of a
+#: 50M-parameter model (203 MB), the AVX2 EPYC (32 MiB cache), 2 threads: 2 rows 10.2 ms against oneDNN's 13.2,
+#: 4 rows 19.9 against 16.6, 8 rows 45 against 17.8.
+TRACED_SUM_ROWS_UNCACHED = 2
 
 
 def onednn_available() -> bool:
@@ -71,6 +78,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        #: Rows up to which a compiled call sums itself (:func:`pack_linears` sets it for the whole model).
+        self.traced_sum_rows = TRACED_SUM_ROWS
         self.repack(batch_size_hint)
 
     def repack(self, batch_size_hint: int = 64) -> None:
@@ -85,7 +94,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
         compiling = torch.compiler.is_compiling()
-        if compiling and rows <= TRACED_SUM_ROWS:  # shapes are fixed while tracing: this is decided per program
+        if compiling and rows <= self.traced_sum_rows:  # shapes are fixed while tracing: decided per program
             out = rows_linear(flat, self.weight, self.bias)
         elif rows <= SMALL_ROWS:
             # A product against the transposed copy beats F.linear's matrix-vector path and oneDNN at one row.
@@ -101,8 +110,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def traced_sum_rows(weight_bytes: int, cache_bytes: int | None) -> int:
+    """Rows up to which compiled linears sum themselves, for linears of ``weight_bytes`` in all on a CPU whose
+    last-level cache holds ``cache_bytes`` (None: unknown, taken as too small)."""
+    return TRACED_SUM_ROWS if cache_bytes is not None and weight_bytes <= cache_bytes else TRACED_SUM_ROWS_UNCACHED
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many.
+    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many. Each
+    packed linear's ``traced_sum_rows`` follows whether all of the model's packed weights fit in the CPU's
+    last-level cache (a step reads them all, so one matrix's re-reads come from the cache only if they do).
 
     Raises ``ValueError`` when this torch build has no oneDNN linear.
     """
@@ -115,6 +132,11 @@ def pack_linears(model: nn.Module) -> int:
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    weights = {id(m.weight): m.weight.numel() * m.weight.element_size() for m in packed}  # a tied weight once
+    limit = traced_sum_rows(sum(weights.values()), last_level_cache_bytes())
+    for module in packed:
+        module.traced_sum_rows = limit
     return swapped
 
 
@@ -135,5 +157,5 @@ def unpack_linears(model: nn.Module) -> int:
     return swapped
 
 
-__all__ = ["SMALL_ROWS", "TRACED_SUM_ROWS", "PackedLinear", "onednn_available", "pack_linears", "rows_linear",
-           "unpack_linears"]
+__all__ = ["SMALL_ROWS", "TRACED_SUM_ROWS", "TRACED_SUM_ROWS_UNCACHED", "PackedLinear", "onednn_available",
+           "pack_linears", "rows_linear", "traced_sum_rows", "unpack_linears"]

@@ -45,6 +45,22 @@ def cpu_description() -> dict[str, Any]:
     return {"cpu": name, "features": [f for f in FEATURES if f in flags]}
 
 
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache as Linux reports it (``/sys/devices/system/cpu/cpu0/cache``), or None
+    where it does not."""
+    sizes = []
+    for folder in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            kind, text = (folder / "type").read_text().strip(), (folder / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if kind != "Instruction" and digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
 def machine_key(threads: int | None = None) -> str:
     """What a measured choice is valid for: the CPU, its features, torch's version and the thread count."""
     cpu = cpu_description()
@@ -99,5 +115,5 @@ def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -
     return path
 
 
-__all__ = ["FEATURES", "MARGIN", "TIE", "choices_file", "cpu_description", "machine_key", "measured_choice",
-           "read_json", "save_choice", "write_json"]
+__all__ = ["FEATURES", "MARGIN", "TIE", "choices_file", "cpu_description", "last_level_cache_bytes", "machine_key",
+           "measured_choice", "read_json", "save_choice", "write_json"]
