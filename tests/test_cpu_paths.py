@@ -82,7 +82,7 @@ def test_a_compiled_packed_linear_sums_few_rows_itself_and_packs_many():
                                             (None, TRACED_SUM_ROWS_UNCACHED)])
 def test_compiled_linears_sum_many_rows_only_while_the_model_fits_in_the_cache(monkeypatch, cache_mb, want):
     # A multiply-and-sum reads the weight once per row: from the cache for tiny-py's 20 MB, from memory for a
-    # model that does not fit (a 50M model's 8-row step took 45 ms so against oneDNN's 18), where it is kept
+    # model that does not fit (a 50M model's 8-row step took 45 ms against oneDNN's 18), where it is kept
     # for the rows at which it still wins. The choice is the whole model's, and a program shows it.
     from torch._inductor.utils import run_and_get_code
 
