@@ -70,10 +70,11 @@ def _build_kernels(_: argparse.Namespace) -> int:
     for count in sorted({1, threads}):  # (one thread: what a disaggregated worker runs on by default)
         torch.set_num_threads(count)
         print(f"timing the linear layers on {count} thread(s): torch's F.linear against oneDNN's packed "
-              "weights...", flush=True)
+              "weights and minipd's C++ panel kernel...", flush=True)
         record = measure_linear_backend()
         path = save_choice("linear_backend", record, threads=count)
-        ratio = f"oneDNN takes {record['ratio']:.2f}x torch's time" if record.get("ratio") else record.get("why", "")
+        ratio = (", ".join(f"{name} {r:.2f}x" for name, r in record["ratios"].items() if name != "torch")
+                 + " torch's time") if record.get("ratios") else record.get("why", "")
         print(f"linear_backend='auto' will use {record['choice']!r} on {count} thread(s) here ({ratio}; "
               f"kept in {path})")
     torch.set_num_threads(threads)

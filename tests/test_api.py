@@ -218,4 +218,5 @@ def test_the_repr_says_what_the_engine_really_runs_with():
         "off (auto: the compiled step does not cover record_routing)"
     assert repr(llm).startswith("LLM(model='tiny-py'") and "linear_backend='torch'" in repr(llm)
     auto = LLM("tiny-py").describe()
-    assert auto["kv_cache_dtype"] == "float32" and auto["linear_backend"] in ("torch", "onednn")  # "auto" resolved
+    assert auto["kv_cache_dtype"] == "float32"
+    assert auto["linear_backend"] in ("torch", "onednn", "cpu")  # "auto" resolved

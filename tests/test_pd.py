@@ -125,7 +125,7 @@ def test_torch_distributed_transport_gives_the_same_outputs_in_every_mode(llm):
         pids = [p for group in pd.worker_pids().values() for p in group]
         info = pd.describe()  # what the cluster really runs with, each role's engine as its worker reported
         assert info["kv_transport"] == "torch" and info["num_prefill_workers"] == info["num_decode_workers"] == 1
-        assert info["decode_engine"]["linear_backend"] in ("torch", "onednn"), info
+        assert info["decode_engine"]["linear_backend"] in ("torch", "onednn", "cpu"), info
         assert "kv_transport='torch'" in repr(pd)
         for mode in ("pull", "push", "layerwise"):
             pd.kv_transfer = mode

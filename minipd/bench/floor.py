@@ -24,7 +24,8 @@ from minipd.sim.costs import step_cost
 class Floor:
     """Measured peaks of this machine (the best of a few interleaved repetitions)."""
 
-    #: fp32 matmul FLOP/s, per path (``torch.mm``; ``onednn`` packed weights when the build has them).
+    #: fp32 matmul FLOP/s, per path (``torch.mm``; ``onednn`` packed weights when the build has them; ``minipd``,
+    #: the C++ panel kernel of ``linear_backend="cpu"``, when it is built: the peak is the fastest of them).
     fp32_flops: dict[str, float]
     #: bf16 matmul FLOP/s through ``torch.mm`` (0 when the CPU has no bf16 matmul worth the name).
     bf16_flops: float
@@ -49,8 +50,9 @@ def _best_seconds(fn, repeat: int) -> float:
 
 
 def measure_floor(size: int = 1024, copy_bytes: int = 256 * 2**20, repeat: int = 5) -> Floor:
-    """Time ``size``³ matmuls (fp32 through torch and oneDNN, bf16) and a ``copy_bytes`` copy on this CPU."""
-    from minipd.kernels.cpu_linear import onednn_available
+    """Time ``size``³ matmuls (fp32 through torch, oneDNN and minipd's panel kernel where they exist; bf16) and a
+    ``copy_bytes`` copy on this CPU."""
+    from minipd.kernels.cpu_linear import onednn_available, panel_kernels
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     flops = 2 * size**3
@@ -58,6 +60,10 @@ def measure_floor(size: int = 1024, copy_bytes: int = 256 * 2**20, repeat: int =
     if onednn_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
         paths["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    module = panel_kernels()
+    if module is not None:  # the engine's own kernel counts too: a share of the peak must not pass 100%
+        panels = module.pack_panels(b.t().contiguous())
+        paths["minipd"] = lambda: module.panel_linear(a, panels, None, size)
     fp32 = {name: flops / _best_seconds(fn, repeat) for name, fn in paths.items()}
     a16, b16 = a.bfloat16(), b.bfloat16()
     bf16 = flops / _best_seconds(lambda: torch.mm(a16, b16), repeat)

@@ -9,6 +9,9 @@ from types import SimpleNamespace
 from minipd.errors import ParameterError
 from minipd.sampling_params import is_integer, is_real
 
+#: What ``linear_backend`` accepts (see :class:`EngineConfig`).
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpu")
+
 
 @dataclass
 class EngineConfig:
@@ -36,8 +39,10 @@ class EngineConfig:
             :mod:`minipd.kernels.cpu_paged_attention`); None picks Triton on CUDA, and on a CPU the C++
             kernel once it is built (``make install`` builds it), torch before.
         linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
-            (weights packed once for oneDNN's CPU kernels, fp32 on a CPU only; see
-            :mod:`minipd.kernels.cpu_linear`) or ``"auto"`` (oneDNN for fp32 on a CPU that has it).
+            (weights packed once for oneDNN's CPU kernels), ``"cpu"`` (weights packed in panels for minipd's
+            C++ kernel, built with the attention kernels) — both fp32 on a CPU only; see
+            :mod:`minipd.kernels.cpu_linear` — or ``"auto"``: the fastest of them measured on this machine
+            (``python -m minipd build-kernels``); not measured, the C++ kernel where it is built, else oneDNN.
         weight_dtype: ``"auto"`` (the model's dtype) or ``"int8"``: weight-only int8 linears with a scale per
             output row, multiplied in bf16 (:mod:`minipd.kernels.int8_linear`); it changes the model's
             numbers (see ``python -m minipd kvquality --methods weights-int8``). The LLM's model is changed in place.
@@ -323,9 +328,9 @@ class EngineConfig:
                                  f"cpu_threads must be 'auto' or a positive integer, got {self.cpu_threads!r}")
         if self.weight_dtype not in ("auto", "int8"):
             raise ParameterError("weight_dtype", f"weight_dtype must be 'auto' or 'int8', got {self.weight_dtype!r}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
+        if self.linear_backend not in LINEAR_BACKENDS:
             raise ParameterError("linear_backend",
-                                 f"linear_backend must be one of 'auto', 'torch', 'onednn', "
+                                 f"linear_backend must be one of {', '.join(repr(b) for b in LINEAR_BACKENDS)}, "
                                  f"got {self.linear_backend!r}")
         if self.kernel_backend is not None and self.kernel_backend not in BACKENDS:
             raise ParameterError("kernel_backend",

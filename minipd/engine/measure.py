@@ -70,22 +70,29 @@ LINEAR_CASES = ((1, 32), (8, 32), (32, 64), (1, 512))
 
 def measure_linear_backend(rounds: int = 3, model: str = "tiny-py",
                            cases: tuple[tuple[int, int], ...] = LINEAR_CASES) -> dict[str, Any]:
-    """Time ``model``'s engine steps with ``F.linear`` and with oneDNN's packed linears (fp32, this process's
-    threads) on (batch, prompt length) ``cases``: one stream, small and large decode batches, a long prefill.
-    Each case counts its prefill step and :data:`DECODE_STEPS_PER_PREFILL` decode steps; the medians are summed.
-    Returns the record: ``choice`` ("onednn" when it takes under :data:`MARGIN` of torch's time, else "torch"),
-    the ratio, and the per-case ratios. (Measured on real steps: a bench of the linears alone chose wrong on
-    this project's CPU.)"""
-    from minipd.kernels.cpu_linear import onednn_available
+    """Time ``model``'s engine steps with each linear path there is here — ``F.linear``, oneDNN's packed
+    weights, minipd's C++ panel kernel (fp32, this process's threads) — on (batch, prompt length) ``cases``:
+    one stream, small and large decode batches, a long prefill. Each case counts its prefill step and
+    :data:`DECODE_STEPS_PER_PREFILL` decode steps; the medians are summed.
 
-    if not onednn_available():
-        return {"choice": "torch", "why": "this torch build has no oneDNN linear", "ratio": None}
+    Returns the record: ``choice`` (the fastest packed path if it takes under :data:`MARGIN` of torch's time,
+    else "torch"), ``candidates`` (the paths timed), ``ratios`` (each path's time over torch's) and the
+    per-case ratios. (Measured on real steps: a bench of the linears alone chose wrong on this project's CPU.)"""
+    from minipd.kernels.cpu_linear import onednn_available, panel_kernels
+
+    candidates = ["torch"] + (["onednn"] if onednn_available() else []) + (["cpu"] if panel_kernels() else [])
+    if len(candidates) == 1:
+        return {"choice": "torch", "why": "neither oneDNN nor minipd's C++ kernels are here", "ratio": None,
+                "candidates": candidates}
     threads = torch.get_num_threads()
-    t = _measure_cores({"torch": {"linear_backend": "torch", "cpu_threads": threads},
-                        "onednn": {"linear_backend": "onednn", "cpu_threads": threads}}, cases, rounds, model)
-    ratio = sum(t["onednn"].values()) / sum(t["torch"].values())
-    return {"choice": "onednn" if ratio < MARGIN else "torch", "ratio": round(ratio, 3),
-            "cases": {f"{b}x{n}": round(t["onednn"][(b, n)] / t["torch"][(b, n)], 3) for b, n in cases},
+    t = _measure_cores({name: {"linear_backend": name, "cpu_threads": threads} for name in candidates}, cases,
+                       rounds, model)
+    ratios = {name: round(sum(t[name].values()) / sum(t["torch"].values()), 3) for name in candidates}
+    fastest = min(candidates[1:], key=ratios.__getitem__)
+    return {"choice": fastest if ratios[fastest] < MARGIN else "torch", "ratio": ratios[fastest],
+            "ratios": ratios, "candidates": candidates,
+            "cases": {f"{b}x{n}": {name: round(t[name][(b, n)] / t["torch"][(b, n)], 3) for name in candidates[1:]}
+                      for b, n in cases},
             **cpu_description()}
 
 

@@ -46,27 +46,45 @@ def set_weight_dtype(model: DecoderModel, weight_dtype: str) -> None:
 
 
 def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
-    """Pack the linears for oneDNN when asked, or under "auto" when measured faster on this machine (or, not
-    measured, for fp32 on a CPU that has it); returns the backend and why it was chosen."""
-    from minipd.kernels.cpu_linear import onednn_available, pack_linears, unpack_linears
-    from minipd.kernels.measured import measured_choice
+    """Pack the linears as ``backend`` says ("torch", "onednn", "cpu", or "auto": the fastest measured on this
+    machine; not measured, minipd's C++ kernel where it is built, else oneDNN where it packs); returns the
+    backend and why it was chosen."""
+    from minipd.kernels.cpu_linear import (
+        onednn_available,
+        pack_linears,
+        pack_panel_linears,
+        panel_kernels,
+        unpack_linears,
+    )
+    from minipd.kernels.measured import measured_record
 
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
     reason = "asked for"
     if backend == "auto":
-        packable = device.type == "cpu" and dtype == torch.float32 and onednn_available()
-        measured = measured_choice("linear_backend") if packable else None
-        if measured in ("torch", "onednn"):
+        fp32_cpu = device.type == "cpu" and dtype == torch.float32
+        ready = {"cpu": fp32_cpu and panel_kernels() is not None, "onednn": fp32_cpu and onednn_available(),
+                 "torch": True}
+        record = measured_record("linear_backend") if fp32_cpu else None
+        # A record from before the C++ kernel existed (or was built) did not time it: not a measurement of it.
+        stale = record is not None and ready["cpu"] and "cpu" not in record.get("candidates", ())
+        measured = None if record is None or stale else record.get("choice")
+        if ready.get(measured):
             backend, reason = measured, "measured on this machine (build-kernels)"
-        elif packable:
+        elif ready["cpu"]:
+            backend, reason = "cpu", "not measured on this machine (python -m minipd build-kernels measures it): " \
+                                     "minipd's C++ kernel, built"
+        elif ready["onednn"]:
             backend, reason = "onednn", ("not measured on this machine (python -m minipd build-kernels measures it): "
                                          "oneDNN where it packs")
         else:
-            backend, reason = "torch", "oneDNN packs fp32 weights on a CPU only"
-    if backend == "onednn":
+            backend, reason = "torch", ("fp32 on a CPU only is packed" if not fp32_cpu else
+                                        "neither minipd's C++ kernels nor oneDNN are here")
+        if measured is not None and measured != backend:
+            reason += f" (measured: {measured!r}, not available now)"
+    if backend in ("onednn", "cpu"):
         if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
+            raise ValueError(f"linear_backend={backend!r} packs fp32 weights on the CPU; this model is "
                              f"{dtype} on {device.type}: use linear_backend='torch' or 'auto'")
-        pack_linears(model)
+        (pack_linears if backend == "onednn" else pack_panel_linears)(model)
     return backend, reason

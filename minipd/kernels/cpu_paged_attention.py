@@ -23,17 +23,17 @@ which was over half of both kernels' time; on the 2-core AVX2 EPYC this made dec
 prefill attention ~2.5x faster (``tests/test_cpu_paths.py`` and ``tests/test_cpu_kernels.py`` compare
 both paths with the torch references).
 
-They are compiled with ``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the
-build is cached under ``~/.cache/torch_extensions``, in a folder named by a hash of everything the
-build depends on — source, flags, compiler, torch's version and location, Python's, the CPU's features —
-so two checkouts or virtualenvs on one machine keep their builds side by side instead of rebuilding each
-other's): by ``make install``, by ``python -m minipd build-kernels``, or on first use of
-``kernel_backend="cpu"``. A process with ``MINIPD_NO_KERNEL_BUILD=1`` (every prefill/decode worker)
-never compiles: it imports a build that is there, else uses the torch references, with a warning. The
-default backend on a CPU is this one once it is built, the torch reference before. When it cannot be built,
-:func:`load_kernel` says why. They handle fp32 queries over an fp32 cache; anything else (fp16 caches,
-quantized pools, other devices) goes to the references.
-"""
+The same extension carries the panel linears of :mod:`minipd.kernels.cpu_linear` (``linear_backend="cpu"``,
+:file:`cpu_panel_linear.cpp`): one build, one import. They are compiled with
+``torch.utils.cpp_extension.load_inline`` (a C++ compiler and ninja needed; the build is cached under
+``~/.cache/torch_extensions``, in a folder named by a hash of everything the build depends on — source, flags,
+compiler, torch's version and location, Python's, the CPU's features — so two checkouts or virtualenvs on one
+machine keep their builds side by side instead of rebuilding each other's): by ``make install``, by ``python
+-m minipd build-kernels``, or on first use of ``kernel_backend="cpu"``. A process with
+``MINIPD_NO_KERNEL_BUILD=1`` (every prefill/decode worker) never compiles: it imports a build that is there,
+else uses the torch references, with a warning. The default backend on a CPU is this one once it is built, the
+torch reference before. When it cannot be built, :func:`load_kernel` says why. They handle fp32 queries over
+an fp32 cache; anything else (fp16 caches, quantized pools, other devices) goes to the references. """
 
 from __future__ import annotations
 
@@ -63,8 +63,10 @@ _LDFLAGS = ("-fopenmp",)
 #: Set (to anything but "" or "0") where a build must not start: the kernel is used if built, else not.
 NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
 
-#: The C++ source (beside this file, so that it reads as C++): compiled by load_inline.
-_SOURCE = "\n" + (Path(__file__).parent / "cpu_paged_attention.cpp").read_text()
+#: The C++ sources (beside this file, so that they read as C++), compiled together by load_inline into one
+#: extension: the attention kernels and the panel linears of :mod:`minipd.kernels.cpu_linear`.
+_SOURCE = "\n" + "\n".join((Path(__file__).parent / name).read_text()
+                            for name in ("cpu_paged_attention.cpp", "cpu_panel_linear.cpp"))
 
 
 @functools.cache
@@ -145,10 +147,13 @@ def load_kernel() -> tuple[object | None, str | None]:
         else:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(extension_name(), cpp_sources=[_SOURCE], functions=["paged_decode", "paged_prefill"],
+            module = load_inline(extension_name(), cpp_sources=[_SOURCE],
+                                 functions=["paged_decode", "paged_prefill", "pack_panels", "panel_linear"],
                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
-        # Its shape rule, for tracing: the output is shaped like the queries.
+        # Their shape rules, for tracing: decode's output is shaped like the queries; a linear's is (rows, features).
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
+        torch.library.register_fake("minipd_cpu::panel_linear")(
+            lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features))
         return module, None
     except Exception as err:  # no compiler, no ninja, a sandbox without write access...
         reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

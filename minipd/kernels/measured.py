@@ -1,14 +1,15 @@
 """Choices made by measuring this machine, not by guessing from its vendor, kept per machine: which linear
 path is faster, and up to which step size one thread beats all of them.
 
-Whether oneDNN's packed linears beat torch's ``F.linear`` (MKL) depends on the CPU: on an AMD EPYC with
-AVX-512 oneDNN took about half MKL's time from 4 rows up, while on an Intel Xeon with AMX MKL was as fast
-and the packed path ran a mixed workload at 0.88x. So ``python -m minipd build-kernels`` times both on
-this machine, on real engine steps (:mod:`minipd.engine.measure`), and keeps the winner in a small JSON
-file under the user's cache folder, keyed by the CPU, its instruction-set features, torch's version and
-the thread count; ``linear_backend="auto"`` reads it (:func:`measured_choice`) and falls back to
-oneDNN-if-available when nothing was measured for this machine. Likewise for the step size up to which
-one thread beats all (read by ``cpu_threads="auto"``).
+Which linear path is fastest depends on the CPU: on an AMD EPYC with AVX-512 oneDNN took about half MKL's
+time from 4 rows up, while on an Intel Xeon with AMX MKL was as fast and the packed path ran a mixed workload
+at 0.88x; on an AVX2-only EPYC minipd's own panel kernel beat both. So ``python -m minipd build-kernels``
+times every path there is (torch's ``F.linear``, oneDNN, the C++ kernel) on this machine, on real engine
+steps (:mod:`minipd.engine.measure`), and keeps the winner in a small JSON file under the user's cache
+folder, keyed by the CPU, its instruction-set features, torch's version and the thread count;
+``linear_backend="auto"`` reads it (:func:`measured_choice`) and, when nothing was measured for this machine
+(or the C++ kernel was not among what was), takes the C++ kernel if built, else oneDNN if available. Likewise
+for the step size up to which one thread beats all (read by ``cpu_threads="auto"``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-#: oneDNN is chosen only when it takes less than this share of torch's time (noise must not flip it).
+#: A packed path is chosen over torch's only when it takes less than this share of its time (noise must not flip it).
 MARGIN = 0.95
 #: One thread counts as no slower than all up to this ratio of their step times (timing noise is a few percent).
 TIE = 1.03
@@ -99,11 +100,17 @@ def _read() -> dict[str, dict[str, Any]]:
     return read_json(choices_file())
 
 
+def measured_record(name: str, threads: int | None = None) -> dict[str, Any] | None:
+    """The whole record measured for ``name`` on this machine (same CPU, features, torch and threads), or None."""
+    entry = _read().get(machine_key(threads))
+    record = entry.get(name) if isinstance(entry, dict) else None
+    return record if isinstance(record, dict) else None
+
+
 def measured_choice(name: str, threads: int | None = None) -> Any:
     """The value measured for ``name`` on this machine (same CPU, features, torch and threads), or None."""
-    entry = _read().get(machine_key(threads))
-    return entry.get(name, {}).get("choice") if isinstance(entry, dict) and isinstance(entry.get(name), dict) \
-        else None
+    record = measured_record(name, threads)
+    return None if record is None else record.get("choice")
 
 
 def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -> Path:
@@ -116,4 +123,4 @@ def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -
 
 
 __all__ = ["FEATURES", "MARGIN", "TIE", "choices_file", "cpu_description", "last_level_cache_bytes", "machine_key",
-           "measured_choice", "read_json", "save_choice", "write_json"]
+           "measured_choice", "measured_record", "read_json", "save_choice", "write_json"]

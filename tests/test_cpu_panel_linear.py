@@ -1,0 +1,190 @@
+"""minipd's C++ panel linears (``linear_backend="cpu"``): the kernel against ``F.linear`` on every path it takes
+(register blocks of 1-6 rows, row chunks, short last panels, bias, strided input), compiled and eager, its
+portable (no AVX2) path, the greedy tokens of whole models, and how ``linear_backend="auto"`` picks it."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import need_cpu_kernel
+from torch import nn
+
+from minipd import LLM, SamplingParams
+from minipd.kernels.cpu_linear import PanelLinear, pack_panel_linears, unpack_linears
+
+PROMPTS = ["def fib(n):", "import os\nclass Foo:", "for i in range(10):\n    print(", "x = [", "return self."]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return need_cpu_kernel()
+
+
+# Rows: each register block size (1-6), several blocks, and more rows than one chunk holds (K=2000: 30 rows a
+# chunk), so every loop of the kernel runs; features: whole panels, a short last one, fewer than one.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 97])
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    panels = kernels.pack_panels(linear.weight.detach())
+    assert panels.shape == (-(-out_features // 16), in_features, 16)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        got = kernels.panel_linear(x, panels, linear.bias, out_features)
+        want = F.linear(x, linear.weight, linear.bias)
+    assert got.shape == want.shape == (rows, out_features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_panel_linear_takes_any_leading_shape_and_strided_input(kernels):
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40)
+    panel = PanelLinear(linear, kernels)
+    assert panel.weight is linear.weight and panel.bias is linear.bias  # the parameters are the same tensors
+    wide = torch.randn(2, 5, 48)
+    with torch.inference_mode():
+        for x in (wide[..., :24], wide[0, :, 24:], torch.randn(24)):  # views of a split, and a single vector
+            torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+    # With gradients (a reader fine-tuning), the plain product runs: the kernel has no backward.
+    x = torch.randn(3, 24)
+    panel(x).sum().backward()
+    assert linear.weight.grad is not None
+    # A weight changed in place is seen once repacked.
+    with torch.no_grad():
+        linear.weight.mul_(2)
+    panel.repack()
+    with torch.inference_mode():
+        torch.testing.assert_close(panel(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_refuses_what_it_cannot_multiply(kernels):
+    panels = kernels.pack_panels(torch.randn(40, 24))
+    with pytest.raises(RuntimeError, match="panels must be pack_panels"):
+        kernels.panel_linear(torch.randn(3, 25), panels, None, 40)  # another number of inputs
+    with pytest.raises(RuntimeError, match="panels must be pack_panels"):
+        kernels.panel_linear(torch.randn(3, 24), panels, None, 60)  # more features than packed
+    with pytest.raises(RuntimeError, match="x must be a 2-D fp32 CPU tensor"):
+        kernels.panel_linear(torch.randn(3, 24).double(), panels, None, 40)
+    with pytest.raises(RuntimeError, match="bias of N fp32"):
+        kernels.panel_linear(torch.randn(3, 24), panels, torch.randn(39), 40)
+    with pytest.raises(ValueError, match="PanelLinear packs fp32 weights on the CPU"):
+        PanelLinear(nn.Linear(4, 4).bfloat16(), kernels)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16])
+def test_a_compiled_panel_linear_calls_the_kernel_whole(kernels, rows):
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    model = nn.Sequential(PanelLinear(linear, kernels), nn.ReLU(), PanelLinear(nn.Linear(48, 20, bias=False), kernels))
+    torch._dynamo.reset()
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        got, code = run_and_get_code(torch.compile(model, fullgraph=True, dynamic=False), x)
+        want = F.linear(F.relu(F.linear(x, linear.weight, linear.bias)), model[2].weight)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert "minipd_cpu.panel_linear" in "\n".join(code)  # the op, not a matrix product the compiler wrote
+
+
+def test_the_portable_path_without_avx2_is_f_linear(tmp_path):
+    # Where the CPU has no AVX2/FMA (an ARM laptop), the kernel's plain C++ loop runs: built here without them
+    # (in a child process, whose op registration cannot clash with this one's) and compared with F.linear.
+    need_cpu_kernel()
+    flags = ["-O2"] + (["-mno-avx2", "-mno-fma"] if platform.machine().lower() in ("x86_64", "amd64") else [])
+    script = textwrap.dedent(f"""
+        import torch, torch.nn.functional as F
+        from pathlib import Path
+        from torch.utils.cpp_extension import load_inline
+        import minipd.kernels as k
+        source = (Path(k.__file__).parent / "cpu_panel_linear.cpp").read_text()
+        m = load_inline("minipd_panels_portable", cpp_sources=[source], functions=["pack_panels", "panel_linear"],
+                        extra_cflags={flags!r}, build_directory={str(tmp_path)!r})
+        torch.manual_seed(0)
+        for rows, k_in, n, bias in ((1, 64, 40, True), (7, 33, 5, False), (50, 2000, 17, True)):
+            w, x = torch.randn(n, k_in), torch.randn(rows, k_in)
+            b = torch.randn(n) if bias else None
+            torch.testing.assert_close(m.panel_linear(x, m.pack_panels(w), b, n), F.linear(x, w, b),
+                                       rtol=1e-5, atol=1e-4)
+        print("portable ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])
+def test_panel_linears_give_the_same_greedy_tokens(kernels, model):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (24, 5, 40, 12, 30)]
+    plain = LLM(model, linear_backend="torch")
+    fast = LLM(model, linear_backend="cpu")
+    assert fast.engine.core.linear_backend == "cpu" and plain.engine.core.linear_backend == "torch"
+    assert any(isinstance(m, PanelLinear) for m in fast.model.modules())
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert [o.token_ids for o in fast.generate(PROMPTS, params)] == want
+
+
+def test_compiled_decode_with_panel_linears_is_eager(kernels):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    eager = LLM("tiny-py", linear_backend="cpu", compile_decode=False)
+    compiled = LLM("tiny-py", linear_backend="cpu", compile_decode=True, compile_batch_sizes=(1, 2, 4, 8))
+    want, got = eager.generate(PROMPTS, params), compiled.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want, strict=True):
+        for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert max(abs(step_a[t] - step_b[t]) for t in step_a) < 1e-3
+
+
+def test_packing_in_panels_keeps_parameters_and_ties_and_unpacks(kernels):
+    llm = LLM("tiny-py", linear_backend="cpu")
+    model = llm.model
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(isinstance(m, PanelLinear) for m in model.modules()) == 2 * 6 + 2 * 6 + 1  # qkv, o, gate_up, down, head
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.embed_tokens.weight
+    assert pack_panel_linears(model) == 0  # nothing left to pack
+    weights = [m.weight for m in model.modules() if isinstance(m, PanelLinear)]
+    assert unpack_linears(model) == len(weights)
+    assert [m.weight for m in model.modules() if type(m) is nn.Linear] == weights  # the same tensors back
+
+
+def test_auto_takes_the_panel_kernel_unless_measured_otherwise(kernels, tmp_path, monkeypatch):
+    from minipd.kernels.cpu_linear import onednn_available
+    from minipd.kernels.measured import save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    info = LLM("tiny-py", num_kv_blocks=16).describe()  # nothing measured: the built kernel
+    assert info["linear_backend"] == "cpu" and "not measured" in info["linear_backend_reason"]
+    # A record from before the kernel existed did not time it: it does not count against it.
+    save_choice("linear_backend", {"choice": "torch", "ratio": 1.0})
+    info = LLM("tiny-py", num_kv_blocks=16).describe()
+    assert info["linear_backend"] == "cpu" and "not measured" in info["linear_backend_reason"]
+    # A record that timed it is followed, whichever path won.
+    for choice in ("torch", "cpu", *(("onednn",) if onednn_available() else ())):
+        save_choice("linear_backend", {"choice": choice, "candidates": ["torch", "onednn", "cpu"]})
+        info = LLM("tiny-py", num_kv_blocks=16).describe()
+        assert info["linear_backend"] == choice and info["linear_backend_reason"].startswith("measured")
+    with pytest.raises(ValueError, match="linear_backend='cpu' packs fp32 weights on the CPU"):
+        LLM("tiny-py", dtype="bfloat16", linear_backend="cpu")
+
+
+def test_without_the_built_kernel_cpu_is_refused_and_auto_falls_back(monkeypatch, tmp_path):
+    import minipd.kernels.cpu_linear as cpu_linear
+    from minipd.kernels.measured import save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "panel_kernels", lambda: None)
+    with pytest.raises(ValueError, match="needs minipd's C\\+\\+ CPU kernels: run `python -m minipd build-kernels`"):
+        LLM("tiny-py", linear_backend="cpu")
+    save_choice("linear_backend", {"choice": "cpu", "candidates": ["torch", "cpu"]})
+    info = LLM("tiny-py", num_kv_blocks=16).describe()
+    assert info["linear_backend"] in ("onednn", "torch") and "measured: 'cpu', not available now" in \
+        info["linear_backend_reason"]
