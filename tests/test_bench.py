@@ -78,7 +78,8 @@ def test_bench_prints_every_comparison():
                    "minipd, eager", "HF static cache + torch.compile", "TPOT minipd / HF static + compile",
                    "median", "[random, seed 0]", "TPOT minipd / one pass over the weights", "machine: ",
                    "engine: on (", "auto: a long-lived engine", "first decode program ready",
-                   "warm start (a second process, same engine)", "minipd, bf16"):
+                   "warm start (a second process, same engine)", "minipd, bf16",
+                   "(the higher of two measurements, before and after)"):
         assert needle in text, needle
 
 
@@ -149,3 +150,13 @@ def test_the_bench_says_why_a_model_gets_no_compiled_decode(capsys):
     assert _compiled_or_why("minipd, compile_decode", LLM, "tiny-py-moe", compile_batch_sizes=(1,),
                             record_routing=True) is None
     assert "minipd, compile_decode: not run (compile_decode does not cover record_routing" in capsys.readouterr().out
+
+
+def test_the_floor_keeps_the_higher_of_two_measurements():
+    from minipd.bench.floor import Floor
+
+    busy = Floor({"torch.mm": 90e9, "minipd": 100e9}, 1e9, 20e9, 2)
+    quiet = Floor({"torch.mm": 180e9, "minipd": 170e9}, 2e9, 15e9, 2)
+    best = busy.best_with(quiet)
+    assert best.fp32_flops == {"torch.mm": 180e9, "minipd": 170e9} and best.fp32_peak == 180e9
+    assert best.bf16_flops == 2e9 and best.bandwidth == 20e9 and best.threads == 2

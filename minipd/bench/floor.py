@@ -38,6 +38,12 @@ class Floor:
         """The fastest fp32 matmul path's FLOP/s."""
         return max(self.fp32_flops.values())
 
+    def best_with(self, other: Floor) -> Floor:
+        """Each peak the higher of two measurements: a busy moment of a shared machine during one of them
+        must not lower the bar that shares of the peak are measured against."""
+        paths = {name: max(value, other.fp32_flops.get(name, 0.0)) for name, value in self.fp32_flops.items()}
+        return Floor(paths, max(self.bf16_flops, other.bf16_flops), max(self.bandwidth, other.bandwidth), self.threads)
+
 
 def _best_seconds(fn, repeat: int) -> float:
     fn()  # warm-up (and, for oneDNN, its primitive cache)
