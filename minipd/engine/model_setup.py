@@ -78,7 +78,7 @@ def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
             backend, reason = "onednn", ("not measured on this machine (python -m minipd build-kernels measures it): "
                                          "oneDNN where it packs")
         else:
-            backend, reason = "torch", ("fp32 on a CPU only is packed" if not fp32_cpu else
+            backend, reason = "torch", ("packed linears take fp32 weights on a CPU only" if not fp32_cpu else
                                         "neither minipd's C++ kernels nor oneDNN are here")
         if measured is not None and measured != backend:
             reason += f" (measured: {measured!r}, not available now)"
