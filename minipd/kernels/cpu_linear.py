@@ -24,6 +24,8 @@ reached ~160 and MKL ~180. Which path ``"auto"`` takes is measured per machine
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,19 +75,41 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
-class PackedLinear(nn.Module):
+class _RepackedLinear(nn.Module):
+    """What the packed linears share: an fp32 CPU ``nn.Linear``'s own ``weight`` and ``bias`` tensors (tied
+    embeddings, state dicts and weight readers see no difference), beside a copy laid out for a kernel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+            raise ValueError(f"{type(self).__name__} packs fp32 weights on the CPU; got "
+                             f"{linear.weight.dtype} on {linear.weight.device}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by ``make(linear)``; returns how many."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+                setattr(parent, name, make(child))
+                swapped += 1
+    return swapped
+
+
+class PackedLinear(_RepackedLinear):
     """An ``nn.Linear`` whose weight is also kept in oneDNN's packed layout and transposed; same parameters,
     same result up to summation order. ``weight`` and ``bias`` stay the original tensors (tied embeddings,
     state dicts and weight readers see no difference); the two copies cost the weight's size twice again."""
 
     def __init__(self, linear: nn.Linear, batch_size_hint: int = 64) -> None:
-        super().__init__()
-        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-            raise ValueError("PackedLinear packs fp32 weights on the CPU; got "
-                             f"{linear.weight.dtype} on {linear.weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         #: Rows up to which a compiled call sums itself (:func:`pack_linears` sets it for the whole model).
         self.traced_sum_rows = TRACED_SUM_ROWS
         self.repack(batch_size_hint)
@@ -114,9 +138,6 @@ class PackedLinear(nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
 
 def panel_kernels() -> object | None:
     """The built C++ extension that carries :class:`PanelLinear`'s kernel, or None (nothing is compiled here:
@@ -129,7 +150,7 @@ def panel_kernels() -> object | None:
     return module if module is not None and hasattr(module, "panel_linear") else None
 
 
-class PanelLinear(nn.Module):
+class PanelLinear(_RepackedLinear):
     """An ``nn.Linear`` whose weight is also kept in panels of 16 output features for minipd's C++ kernel
     (``linear_backend="cpu"``, :file:`cpu_panel_linear.cpp`); same parameters, same result up to summation order.
 
@@ -142,13 +163,7 @@ class PanelLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, module: object) -> None:
-        super().__init__()
-        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-            raise ValueError("PanelLinear packs fp32 weights on the CPU; got "
-                             f"{linear.weight.dtype} on {linear.weight.device}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear)
         # The extension's functions, not the module: a module object would not survive a deepcopy of the model.
         self._pack, self._multiply = module.pack_panels, module.panel_linear  # type: ignore[attr-defined]
         self.repack()
@@ -170,9 +185,6 @@ class PanelLinear(nn.Module):
             out = self._multiply(flat, self.panels, bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
 
 def pack_panel_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PanelLinear`; returns how many.
@@ -182,13 +194,7 @@ def pack_panel_linears(model: nn.Module) -> int:
     if module is None:
         raise ValueError("linear_backend='cpu' needs minipd's C++ CPU kernels: run `python -m minipd build-kernels` "
                          "(a C++ compiler and ninja), or use linear_backend='onednn' or 'torch'")
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-                setattr(parent, name, PanelLinear(child, module))
-                swapped += 1
-    return swapped
+    return _swap_linears(model, lambda linear: PanelLinear(linear, module))
 
 
 def traced_sum_rows(weight_bytes: int, cache_bytes: int | None) -> int:
@@ -207,12 +213,7 @@ def pack_linears(model: nn.Module) -> int:
     if not onednn_available():
         raise ValueError("linear_backend='onednn' needs a torch build with oneDNN (mkldnn) CPU kernels; "
                          "use linear_backend='torch'")
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child))
-                swapped += 1
+    swapped = _swap_linears(model, PackedLinear)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     weights = {id(m.weight): m.weight.numel() * m.weight.element_size() for m in packed}  # a tied weight once
     limit = traced_sum_rows(sum(weights.values()), last_level_cache_bytes())
@@ -228,7 +229,7 @@ def unpack_linears(model: nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (PackedLinear, PanelLinear)):
+            if isinstance(child, _RepackedLinear):
                 plain = nn.Linear.__new__(nn.Linear)
                 nn.Module.__init__(plain)
                 plain.in_features, plain.out_features = child.in_features, child.out_features
