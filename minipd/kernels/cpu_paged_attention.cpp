@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -376,9 +377,17 @@ struct PrefillTile {
 
 // q (B, H, D), caches (N, block_size, KVH, D), tables (B, max_blocks) int64, lens (B) int64; fp32.
 // k_new, v_new: empty, or (B, KVH, D): position lens[b] - 1 is read from them, not from the pool.
+// Called through the extension's own binding, a kernel holds the GIL: it is released while the kernel runs, so
+// another Python thread (a server's event loop beside its engine) is not stopped for a long prefill. Called through
+// the dispatcher from Python or C++, the GIL is not held here, and nothing is released.
+#define MINIPD_RELEASE_GIL_IF_HELD                          \
+  std::optional<pybind11::gil_scoped_release> minipd_no_gil; \
+  if (PyGILState_Check()) minipd_no_gil.emplace();
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                            int64_t window, torch::Tensor k_new, torch::Tensor v_new) {
+  MINIPD_RELEASE_GIL_IF_HELD
   check_pool(q, k_cache, v_cache, block_tables, context_lens);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
@@ -552,6 +561,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor query_start_loc,
                             torch::Tensor context_lens, double scale, int64_t window) {
+  MINIPD_RELEASE_GIL_IF_HELD
   check_pool(q, k_cache, v_cache, block_tables, context_lens);
   TORCH_CHECK(query_start_loc.scalar_type() == torch::kLong && query_start_loc.device().is_cpu() &&
                   query_start_loc.is_contiguous() && query_start_loc.dim() == 1 &&
