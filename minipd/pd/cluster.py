@@ -393,12 +393,21 @@ class ClusterCore:
 
     def _adopt(self, flight: Flight) -> None:
         """Push modes: the decode worker takes the request into the blocks the prefill worker writes into."""
-        dest = self.workers.workers[flight.dest]
+        dest = self.workers.workers.get(flight.dest)
+        if dest is None or dest.fenced or not dest.alive:
+            # The decode worker reserved for it died while it was prefilled: decode elsewhere, from its tokens.
+            self.num_recovered_requests += 1
+            flight.dest, flight.kv_done = "", True
+            self._to_decode(flight, recompute=True)
+            return
         prompt = flight.request.prompt_token_ids
         request = dataclasses.replace(flight.request, all_token_ids=[*prompt, *flight.tokens], hold_kv=False,
                                       num_external_tokens=len(prompt))
         self._assign(flight, dest, Phase.DECODE)
-        self.workers.send(dest, m.Adopt(request))
+        try:
+            self.workers.send(dest, m.Adopt(request))
+        except WorkerError:  # it died since: the request is its now, so the pump's check for deaths recovers it
+            pass
 
     def _let_go(self, flight: Flight, worker: Worker, held: list[int] | None) -> None:
         """A request ended at its first token: free what was kept for its decode."""
