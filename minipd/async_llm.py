@@ -68,6 +68,10 @@ class _Engine:
         with self.lock:
             self.engine.abort(request_id)
 
+    def request_abort(self, request_id: str) -> None:
+        """From any thread, without the lock: applied before the step in progress hands out its tokens."""
+        self.engine.request_abort(request_id)
+
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()
 
@@ -166,7 +170,8 @@ class AsyncLLM:
                         return
         finally:
             if not finished:  # cancelled, closed, or failed: nothing should keep computing for nobody
-                self._commands.put(("abort", rid))
+                self._engine.request_abort(rid)  # at once, even mid-step
+                self._commands.put(("abort", rid))  # and, in turn, the stream's end
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (one id or several); their generators end with an ``"abort"`` delta."""
@@ -174,6 +179,7 @@ class AsyncLLM:
         if not all(isinstance(i, str) for i in ids):
             raise ParameterError("request_id", f"request_id must be a string or a list of strings, got {request_id!r}")
         for rid in ids:
+            self._engine.request_abort(rid)
             self._commands.put(("abort", rid))
 
     def shutdown(self) -> None:

@@ -517,6 +517,44 @@ def test_abort_ends_a_stream_with_an_abort_delta(monkeypatch, llm, code_ids):
     assert_pool_is_whole(llm.engine)
 
 
+def test_an_abort_asked_for_mid_step_lands_before_the_steps_tokens(monkeypatch, llm, code_ids):
+    # A server's event loop asks (request_abort) while the engine's thread is inside a step: the request must
+    # not take that step's token, the other request must, and an abort asked for before a request with the
+    # same id came in must not end the newcomer.
+    engine = fresh_engine(llm)
+    prompt, other_prompt = code_ids[:12], code_ids[30:41]
+    (other_alone,) = llm.generate([other_prompt], greedy(6))
+    doomed = engine.make_request(prompt, greedy(20), request_id="doomed")
+    other = engine.make_request(other_prompt, greedy(6), request_id="other")
+    engine.add(doomed)
+    engine.add(other)
+    for _ in range(3):
+        engine.step()
+    tokens_before = list(doomed.token_ids)
+    assert len(tokens_before) == 3
+    core_step = engine.core.step
+
+    def step_asked_to_abort_midway():
+        outputs = core_step()
+        assert any(o.request_id == "doomed" and o.new_token_ids for o in outputs.outputs)
+        engine.request_abort("doomed")  # as another thread would, while the core's outputs are not applied yet
+        return outputs
+
+    monkeypatch.setattr(engine.core, "step", step_asked_to_abort_midway)
+    deltas = engine.step()
+    monkeypatch.undo()
+    assert doomed.token_ids == tokens_before and doomed.finish_reason == "abort"
+    assert [d.finish_reason for d in deltas if d.request_id == "doomed"] == ["abort"]
+    assert [d.token_id is not None for d in deltas if d.request_id == "other"] == [True]
+    engine.request_abort("late")  # an id nobody uses yet: ignored, and not held against a request named so later
+    late = engine.make_request(prompt, greedy(4), request_id="late")
+    engine.add(late)
+    step_until_finished(engine, [other, late])
+    assert other.token_ids == other_alone.token_ids
+    assert late.finish_reason == "length" and len(late.token_ids) == 4
+    assert_pool_is_whole(engine)
+
+
 # ----------------------------------------------------------------------------------- 8. threads
 def test_threads_share_one_llm(llm, code_ids):
     # Its own LLM front (engine and lock) over the loaded weights: a thread left hanging by a

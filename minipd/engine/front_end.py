@@ -12,6 +12,7 @@ strings, logprobs), and tells the core to end a request a stop string ended.
 
 from __future__ import annotations
 
+import queue
 import random
 import time
 from collections import deque
@@ -79,6 +80,7 @@ class FrontEnd:
         self.vocab_size = vocab_size
         self._seeds = random.Random(seed if seed is not None else time.time_ns())
         self._next_id = 0
+        self._abort_requests: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     # ----------------------------------------------------------------------------------- requests
     def new_request_id(self) -> str:
@@ -118,6 +120,7 @@ class FrontEnd:
         """Queue a request made by :meth:`make_request` (with its first tokens' K/V, if given); returns its id."""
         if state.request is None:
             raise ValueError("this request state was not made by make_request")
+        self._take_abort_requests()  # an abort asked for before this request came in is not this request's
         if state.request_id in self.processor.states:
             raise ParameterError("request_id", f"request_id {state.request_id!r} is already in use by a running "
                                                "request")
@@ -146,6 +149,26 @@ class FrontEnd:
         self._deliver(EngineCoreOutputs(self.core.abort_requests([request_id]), time.perf_counter()))
         return live
 
+    def request_abort(self, request_id: str) -> None:
+        """Ask, from any thread, for ``request_id`` to be aborted by the thread that steps the engine, before it
+        applies another step's outputs (the step in progress included): a server's event loop calls it when a
+        client hangs up, so the request takes no token the step's thread had not already begun to apply, however
+        far behind its workers that thread runs. Unknown or finished ids are ignored."""
+        self._abort_requests.put(request_id)
+
+    def _take_abort_requests(self) -> list[StreamDelta]:
+        """Apply the aborts :meth:`request_abort` asked for; their deltas."""
+        ids: list[str] = []
+        while True:
+            try:
+                ids.append(self._abort_requests.get_nowait())
+            except queue.Empty:
+                break
+        ids = [rid for rid in dict.fromkeys(ids) if rid in self.processor.states or rid in self.core.requests]
+        if not ids:
+            return []
+        return self._deliver(EngineCoreOutputs(self.core.abort_requests(ids), time.perf_counter()))
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running (or has an output still to apply)."""
         return self.core.has_unfinished_requests() or self.processor.has_pending()
@@ -160,7 +183,9 @@ class FrontEnd:
         if it had not failed. The deltas of a step that raises are not returned: they are in the requests'
         states and :meth:`watch` queues (and in ``OutputProcessingError.deltas``).
         """
-        deltas = self._deliver(self.core.step())
+        outputs = self.core.step()
+        deltas = self._take_abort_requests()  # those asked for while the core stepped: before its tokens
+        deltas += self._deliver(outputs)
         failure = self.core.take_failure()
         if failure is not None:
             raise failure
