@@ -345,7 +345,10 @@ def test_an_admission_rule_turns_requests_away_while_the_server_is_full(llm):
         seen.append(load)
         return load.in_flight < 2
 
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # As long as the model allows: shorter streams (200 tokens) could end, all their chunks buffered in the
+    # sockets, before the third request came (seen on a machine that decodes a token in under a millisecond).
+    body = {"prompt": PROMPT, "max_tokens": llm.max_model_len - len(llm.tokenizer.encode(PROMPT)), "ignore_eos": True,
+            "stream": True}
     with serving(llm, admission=rule) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json=body) as one, \
                 client.stream("POST", "/v1/completions", json=body) as two:
