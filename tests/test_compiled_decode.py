@@ -79,12 +79,17 @@ def test_compiled_decode_gives_the_eager_greedy_tokens(kernel_backend):
     assert _tokens(narrow, wide) == _tokens(LLM("tiny-py", **options), wide)
 
 
-def test_compiled_decode_samples_and_reports_logprobs_like_eager():
+@pytest.mark.parametrize("long_lived", [False, True])
+def test_compiled_decode_samples_and_reports_logprobs_like_eager(long_lived):
+    # A long-lived engine's programs have a C++ wrapper (inductor's cpp_wrapper), the others a Python one.
     params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, logprobs=2)
-    options = dict(max_model_len=64, max_num_seqs=4, compile_batch_sizes=(4,))
+    options = dict(max_model_len=64, max_num_seqs=4, compile_batch_sizes=(4,), long_lived=long_lived)
     eager = LLM("tiny-py", max_model_len=64, max_num_seqs=4).generate(PROMPTS[:2], params)
-    compiled = LLM("tiny-py", compile_decode=True, **options).generate(PROMPTS[:2], params)
+    llm = LLM("tiny-py", compile_decode=True, **options)
+    compiled = llm.generate(PROMPTS[:2], params)
     _assert_same_outputs(compiled, eager, 1e-4)
+    program = llm.engine.core.runner.compiled
+    assert program.compiled and program.cpp_wrapper is long_lived
 
 
 def _assert_same_outputs(got, want, tolerance: float) -> None:
@@ -355,6 +360,7 @@ def test_auto_compiles_a_long_lived_engine_in_the_background_and_no_step_waits_f
     llm = LLM("tiny-py", long_lived=True, compile_batch_sizes=(1, 4), **options)
     compiled = llm.engine.core.runner.compiled
     assert compiled is not None and compiled.ready is not None
+    assert compiled.cpp_wrapper  # a long-lived engine's programs call their kernels from C++
     assert "auto: a long-lived engine" in llm.describe()["compile_decode"]
     assert _tokens(llm, params) == want  # (whatever was ready by then)
     assert compiled.wait_until_compiled(timeout=300)

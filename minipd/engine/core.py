@@ -181,9 +181,11 @@ class EngineCore(StepCore):
         largest = self.config.max_num_seqs if not self.moe_layers else min(self.config.max_num_seqs, TRACED_SUM_ROWS)
         sizes = self.config.compile_batch_sizes or bucket_sizes(largest)
         watched = self.evictor is not None and self.evictor.tracker is not None  # eviction by received attention
-        compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
-                                  width_buckets=not kernel, keep_queries=watched)
         cpu = self.device.type == "cpu"
+        # A long-lived engine's programs get a C++ wrapper: a faster step for a longer compile (in the background).
+        compiled = CompiledDecode(self.model, self.pool, attend, sizes, -(-max_model_len // self.config.block_size),
+                                  width_buckets=not kernel, keep_queries=watched,
+                                  cpp_wrapper=cpu and self.config.long_lived)
         if self.config.compile_warmup:
             compiled.warm_up(threads=(lambda rows: self._compiled_threads()) if cpu else None)
         elif self.config.compile_decode == "auto":
