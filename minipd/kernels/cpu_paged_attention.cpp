@@ -52,9 +52,6 @@ inline float exp_approx(float x) {
   return y * two_n;
 }
 
-// c[i][:] = (kKeep ? c[i][:] * keep[:] : 0) + sum_j a(i, j) * b[j][:] for I rows of kLanes lanes, where
-// a(i, j) = a[i * a_i + j * a_j]. The one inner loop of both products of a prefill tile; the I x kLanes
-// accumulators stay in registers over the whole depth.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // The AVX2 panel (kLanes = two registers), up to 4 rows: the accumulators are named variables. Written as the
 // array below, GCC 12 (-fopenmp -fPIC) kept them on the stack, loading and storing each one on every step of
@@ -93,6 +90,9 @@ inline void panel_avx2(const float* a, int64_t a_i, int64_t a_j, const float* b,
 }
 #endif
 
+// c[i][:] = (kKeep ? c[i][:] * keep[:] : 0) + sum_j a(i, j) * b[j][:] for I rows of kLanes lanes, where
+// a(i, j) = a[i * a_i + j * a_j]. The one inner loop of both products of a prefill tile; the I x kLanes
+// accumulators stay in registers over the whole depth.
 template <int I, bool kKeep>
 inline void panel(const float* a, int64_t a_i, int64_t a_j, const float* b, int64_t ldb, int64_t depth,
                   float* c, int64_t ldc, const float* keep) {
@@ -377,17 +377,10 @@ struct PrefillTile {
 
 // q (B, H, D), caches (N, block_size, KVH, D), tables (B, max_blocks) int64, lens (B) int64; fp32.
 // k_new, v_new: empty, or (B, KVH, D): position lens[b] - 1 is read from them, not from the pool.
-// Called through the extension's own binding, a kernel holds the GIL: it is released while the kernel runs, so
-// another Python thread (a server's event loop beside its engine) is not stopped for a long prefill. Called through
-// the dispatcher from Python or C++, the GIL is not held here, and nothing is released.
-#define MINIPD_RELEASE_GIL_IF_HELD                          \
-  std::optional<pybind11::gil_scoped_release> minipd_no_gil; \
-  if (PyGILState_Check()) minipd_no_gil.emplace();
-
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                            int64_t window, torch::Tensor k_new, torch::Tensor v_new) {
-  MINIPD_RELEASE_GIL_IF_HELD
+  MINIPD_RELEASE_GIL_IF_HELD  // (defined in cpu_panel_linear.cpp, compiled before this file)
   check_pool(q, k_cache, v_cache, block_tables, context_lens);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);

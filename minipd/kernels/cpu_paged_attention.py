@@ -64,9 +64,10 @@ _LDFLAGS = ("-fopenmp",)
 NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
 
 #: The C++ sources (beside this file, so that they read as C++), compiled together by load_inline into one
-#: extension: the attention kernels and the panel linears of :mod:`minipd.kernels.cpu_linear`.
+#: extension: the panel linears of :mod:`minipd.kernels.cpu_linear` (first: they define what both use) and the
+#: attention kernels.
 _SOURCE = "\n" + "\n".join((Path(__file__).parent / name).read_text()
-                            for name in ("cpu_paged_attention.cpp", "cpu_panel_linear.cpp"))
+                            for name in ("cpu_panel_linear.cpp", "cpu_paged_attention.cpp"))
 
 
 @functools.cache

@@ -14,6 +14,13 @@
 #include <immintrin.h>
 #endif
 
+// Called through the extension's own binding, a kernel holds the GIL: it is released while the kernel runs, so
+// another Python thread (a server's event loop beside its engine) is not stopped for a long prefill. Called through
+// the dispatcher from Python or C++, the GIL is not held here, and nothing is released.
+#define MINIPD_RELEASE_GIL_IF_HELD                          \
+  std::optional<pybind11::gil_scoped_release> minipd_no_gil; \
+  if (PyGILState_Check()) minipd_no_gil.emplace();
+
 // Named, not anonymous: this file is compiled in one unit with the attention kernels.
 namespace minipd_panels {
 
@@ -131,10 +138,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 // x (M, K) @ W.T + bias -> (M, N), W given as pack_panels(W).
 torch::Tensor panel_linear(const torch::Tensor& x_in, const torch::Tensor& panels,
                            const c10::optional<torch::Tensor>& bias_in, int64_t N) {
-  // Called through the extension's binding the GIL is held: released while multiplying, so another Python thread
-  // (a server's event loop) runs meanwhile; through the dispatcher it is not held here and nothing is released.
-  std::optional<pybind11::gil_scoped_release> no_gil;
-  if (PyGILState_Check()) no_gil.emplace();
+  MINIPD_RELEASE_GIL_IF_HELD
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
               "panel_linear: x must be a 2-D fp32 CPU tensor");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() &&
