@@ -159,11 +159,8 @@ class FrontEnd:
     def _take_abort_requests(self) -> list[StreamDelta]:
         """Apply the aborts :meth:`request_abort` asked for; their deltas."""
         ids: list[str] = []
-        while True:
-            try:
-                ids.append(self._abort_requests.get_nowait())
-            except queue.Empty:
-                break
+        while not self._abort_requests.empty():  # (only this thread takes from it: get_nowait cannot fail)
+            ids.append(self._abort_requests.get_nowait())
         ids = [rid for rid in dict.fromkeys(ids) if rid in self.processor.states or rid in self.core.requests]
         if not ids:
             return []
