@@ -146,14 +146,14 @@ class FrontEnd:
         A finished ``hold_kv`` request's blocks are released. Returns False if there was nothing to stop or free.
         """
         live = request_id in self.processor.states or request_id in self.core.requests
-        self._deliver(EngineCoreOutputs(self.core.abort_requests([request_id]), time.perf_counter()))
+        self._abort_now([request_id])
         return live
 
     def request_abort(self, request_id: str) -> None:
         """Ask, from any thread, for ``request_id`` to be aborted by the thread that steps the engine, before it
         applies another step's outputs (the step in progress included): a server's event loop calls it when a
         client hangs up, so the request takes no token the step's thread had not already begun to apply, however
-        far behind its workers that thread runs. Unknown or finished ids are ignored."""
+        far behind its workers that thread runs. What it then does is :meth:`abort`'s (unknown ids are ignored)."""
         self._abort_requests.put(request_id)
 
     def _take_abort_requests(self) -> list[StreamDelta]:
@@ -161,10 +161,11 @@ class FrontEnd:
         ids: list[str] = []
         while not self._abort_requests.empty():  # (only this thread takes from it: get_nowait cannot fail)
             ids.append(self._abort_requests.get_nowait())
-        ids = [rid for rid in dict.fromkeys(ids) if rid in self.processor.states or rid in self.core.requests]
-        if not ids:
-            return []
-        return self._deliver(EngineCoreOutputs(self.core.abort_requests(ids), time.perf_counter()))
+        return self._abort_now(ids) if ids else []
+
+    def _abort_now(self, request_ids: list[str]) -> list[StreamDelta]:
+        """End ``request_ids`` in the core (it ignores the ones it does not know) and deliver their last deltas."""
+        return self._deliver(EngineCoreOutputs(self.core.abort_requests(request_ids), time.perf_counter()))
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running (or has an output still to apply)."""
