@@ -374,12 +374,12 @@ class CompiledDecode:
         # codes would then be computed with a scale other than the fp16 one stored beside them.
         cpu_options = {"freezing": False, "size_asserts": False, "alignment_asserts": False,
                        "emulate_precision_casts": True}
-        if cpp_wrapper and not cuda:
+        #: Whether the programs' wrapper is C++ (see ``cpp_wrapper``).
+        self.cpp_wrapper = cpp_wrapper and not cuda
+        if self.cpp_wrapper:
             # The code that calls each fused loop and op in turn generated as C++, not Python: ~0.1 ms less a
             # step at batch 1 (0.71 -> 0.61 ms for tiny-py on a 2-core EPYC), for ~10 s more compiling a program.
             cpu_options["cpp_wrapper"] = True
-        #: Whether the programs' wrapper is C++ (see ``cpp_wrapper``).
-        self.cpp_wrapper = bool(cpu_options.get("cpp_wrapper"))
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    **({"mode": "reduce-overhead"} if cuda else {"options": cpu_options}))
         self._cpu_options = cpu_options
