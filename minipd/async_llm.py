@@ -1,9 +1,10 @@
 """``AsyncLLM``: the engine for asyncio code — a server, or any program with many requests in flight.
 
 One thread owns the engine: it takes requests and aborts from a queue, steps the engine while there
-is work, and hands each request's deltas to that request's ``asyncio.Queue`` through
-``loop.call_soon_threadsafe``. The event loop never runs a step, so it stays responsive however long
-a step takes; many coroutines can each ``async for`` over their own request.
+is work, and hands each request's deltas to that request's ``asyncio.Queue`` through one FIFO per
+event loop, which the loop drains (woken by ``loop.call_soon_threadsafe``). The event loop never runs a
+step, so it stays responsive however long a step takes; many coroutines can each ``async for`` over
+their own request.
 
 It runs over a colocated :class:`~minipd.llm.LLM` or a :class:`~minipd.pd.llm.DisaggregatedLLM`, with
 the same semantics: cancelling the task that consumes a request, or closing its generator, aborts the
@@ -79,11 +80,49 @@ class _Engine:
         self.llm.close()
 
 
-class _Stream:
-    """Where the owner thread sends one request's deltas: its outbox in the engine, its consumer's queue."""
+class _Mailbox:
+    """The owner thread's hand-overs to one event loop, in one FIFO that the loop drains
+    ``HAND_OVER_PER_TURN`` batches a turn.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, outbox: deque) -> None:
-        self.loop, self.sink, self.outbox = loop, sink, outbox
+    One queue for every step's batches keeps each request's deltas in order: a step's hand-over that the loop
+    has not finished (more streams than one turn takes) is always finished before the next step's begins.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: deque[tuple[asyncio.Queue, list[StreamDelta] | BaseException]] = deque()
+        self._lock = threading.Lock()
+        self._scheduled = False  # a drain is queued in the loop, or running
+
+    def post(self, items: list[tuple[asyncio.Queue, list[StreamDelta] | BaseException]]) -> None:
+        """From the owner thread: queue ``items`` (a consumer's queue, what to put in it) behind earlier ones."""
+        with self._lock:
+            self._pending.extend(items)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the consumers' loop is closed: nobody to tell
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """In the consumers' loop: up to ``HAND_OVER_PER_TURN`` items, then the rest at the loop's next turns."""
+        with self._lock:
+            turn = [self._pending.popleft() for _ in range(min(HAND_OVER_PER_TURN, len(self._pending)))]
+        for sink, item in turn:
+            sink.put_nowait(item)
+        with self._lock:
+            if not self._pending:
+                self._scheduled = False
+                return
+        asyncio.get_running_loop().call_soon(self._drain)
+
+
+class _Stream:
+    """Where the owner thread sends one request's deltas: its outbox in the engine, its consumer's queue (through
+    the mailbox of the consumer's loop)."""
+
+    def __init__(self, mailbox: _Mailbox, sink: asyncio.Queue, outbox: deque) -> None:
+        self.mailbox, self.sink, self.outbox = mailbox, sink, outbox
 
 
 class AsyncLLM:
@@ -117,6 +156,7 @@ class AsyncLLM:
         self._owned = owned
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}  # (owner thread only)
         self._stopped: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="minipd-async-engine", daemon=True)
         self._thread.start()
@@ -239,7 +279,12 @@ class AsyncLLM:
             except Exception as err:
                 loop.call_soon_threadsafe(_settle, admitted, None, err)
                 return
-            self._streams[rid] = _Stream(loop, sink, outbox)
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                # A new loop (each ``asyncio.run`` makes one): forget those closed since.
+                self._mailboxes = {old: box for old, box in self._mailboxes.items() if not old.is_closed()}
+                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+            self._streams[rid] = _Stream(mailbox, sink, outbox)
             loop.call_soon_threadsafe(_settle, admitted, rid, None, self._commands)
         elif command[0] == "abort":
             if command[1] in self._streams:
@@ -249,7 +294,7 @@ class AsyncLLM:
     def _route(self) -> None:
         """Hand every request's new deltas to its consumer: one hand-over per event loop per step, which puts
         each request's batch in its queue (one wake-up of the loop for 200 streams, not 200)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[StreamDelta]]]] = {}
+        by_mailbox: dict[_Mailbox, list[tuple[asyncio.Queue, list[StreamDelta] | BaseException]]] = {}
         for rid, stream in list(self._streams.items()):
             if not stream.outbox:
                 continue
@@ -257,33 +302,22 @@ class AsyncLLM:
             stream.outbox.clear()
             if batch[-1].finished:
                 del self._streams[rid]
-            by_loop.setdefault(stream.loop, []).append((stream.sink, batch))
-        for loop, batches in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody to tell
-                loop.call_soon_threadsafe(_hand_over, batches)
+            by_mailbox.setdefault(stream.mailbox, []).append((stream.sink, batch))
+        for mailbox, items in by_mailbox.items():
+            mailbox.post(items)
 
     def _fail_all(self, err: BaseException) -> None:
-        """End every request in flight with ``err`` (the engine cannot serve them)."""
+        """End every request in flight with ``err`` (the engine cannot serve them), after what it already got."""
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             with contextlib.suppress(Exception):
                 self._engine.abort(rid)
-            with contextlib.suppress(RuntimeError):
-                stream.loop.call_soon_threadsafe(stream.sink.put_nowait, err)
+            stream.mailbox.post([(stream.sink, err)])
 
 
 #: Requests whose consumers one turn of the event loop wakes: the rest wait for its next turn, so a timer or
 #: a new connection waits for a few dozen streams' work, not for every stream's.
 HAND_OVER_PER_TURN = 16
-
-
-def _hand_over(batches: list[tuple[asyncio.Queue, list[StreamDelta]]], start: int = 0) -> None:
-    """In the consumers' loop: each request's new deltas into its queue, ``HAND_OVER_PER_TURN`` per turn."""
-    end = min(start + HAND_OVER_PER_TURN, len(batches))
-    for sink, batch in batches[start:end]:
-        sink.put_nowait(batch)
-    if end < len(batches):
-        asyncio.get_running_loop().call_soon(_hand_over, batches, end)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from pd_helpers import needs_nixl, wait_until_blocks_free
@@ -180,3 +181,34 @@ def test_requests_finished_by_another_caller_of_the_same_engine_still_reach_thei
     finally:
         idle.shutdown()
         other.shutdown()
+
+
+def test_each_request_gets_its_deltas_in_order_when_the_event_loop_falls_behind(reference):
+    """The event loop hands out at most ``HAND_OVER_PER_TURN`` requests' deltas a turn; when it falls behind the
+    engine (blocked here, as a busy server's loop can be), the steps' hand-overs pile up. A request past the first
+    turn's share must still get its deltas in the order they were made: a later step's must not overtake them."""
+    llm, prompts, params, want = reference
+    count = 48  # three turns' worth of requests
+    engine = AsyncLLM.from_llm(llm)
+
+    async def run() -> dict[int, list[int]]:
+        got: dict[int, list[int]] = {}
+
+        async def consume(i: int) -> None:
+            got[i] = [d.token_id async for d in engine.generate(prompts[i], params[i])]
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(count)]
+        while len(engine._streams) < count:  # every request admitted, and being stepped
+            await asyncio.sleep(0.001)
+        for _ in range(4):
+            time.sleep(0.2)  # the loop blocked: several steps' hand-overs queue up behind each other
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        return got
+
+    try:
+        got = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        engine.shutdown()
+    for i in range(count):
+        assert got[i] == want[i], f"request {i}"
