@@ -3,8 +3,8 @@ each live and checks it against the file).
 
 1. ``literature``: DistServe's setting, OPT-13B on A100s with its chatbot SLOs (TTFT 250 ms, TPOT 100 ms) and
    ShareGPT-like lengths: goodput per GPU of every placement of 4 GPUs (tensor parallel 1 or 2), colocated with
-   chunked prefill (decode-first, 2048-token budget), colocated with whole prompts first (prefill-first, 16,384
-   tokens), and disaggregated.
+   chunked prefill (decode-first, 2048-token budget), colocated as vLLM scheduled in 2023, the baseline DistServe
+   measured against (prefill-only: a step is all prefill or all decode; 16,384 tokens), and disaggregated.
 2. ``grid``: Llama-3-8B on H100s (4 GPUs, 400G links), prompt lengths × output lengths × TPOT SLO: the best
    colocated and the best disaggregated placement and their goodput per GPU.
 3. ``claims``: Llama-3-70B on 8 H100s, two tensor-parallel-4 instances colocated against one prefill and one
@@ -58,10 +58,10 @@ def literature() -> dict:
     shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=p["duration_s"])
     slo = Slo(p["ttft_slo_ms"], p["tpot_slo_ms"])
     chunked = GpuCluster(preset(p["model"]), A100_80GB, NVLINK3)
-    whole = GpuCluster(preset(p["model"]), A100_80GB, NVLINK3, colocated_policy="prefill-first",
-                       colocated_batched_tokens=16384)
+    vllm_2023 = GpuCluster(preset(p["model"]), A100_80GB, NVLINK3, colocated_policy="prefill-only",
+                           colocated_batched_tokens=16384)
     out = {}
-    for label, cluster, both in (("chunked", chunked, True), ("prefill_first", whole, False)):
+    for label, cluster, both in (("chunked", chunked, True), ("prefill_only", vllm_2023, False)):
         specs = placements(cluster, p["devices"], tps=p["tps"], disaggregated=both)
         out[label] = [row(r) for r in search_placements(specs, shape, slo, rel_tol=REL_TOL, verify=2)]
     return out

@@ -208,6 +208,51 @@ def test_prefill_first_admits_new_requests_before_decodes(model_dir):
         assert (first[1] == 1) == expect_decode_first, policy
 
 
+def test_prefill_only_steps_carry_prefill_or_decodes_never_both(model_dir):
+    """vLLM's 2023 scheduling: a step with prefill work (an unfinished prompt first, then new ones) carries no
+    decode; decodes step when there is none. Same greedy tokens as the default policy."""
+    folder, _ = model_dir
+    prompts = mixed_prompts(n=6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(folder, max_num_batched_tokens=32).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(folder, scheduling_policy="prefill-only", max_num_batched_tokens=32)
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    outputs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for delta in engine.step():
+            if delta.token_id is not None:
+                outputs.setdefault(delta.request_id, []).append(delta.token_id)
+
+    step()
+    for prompt in prompts[2:]:  # newcomers arrive while the first ones decode: each one stalls them
+        ids.append(engine.add_request(prompt, params))
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    assert [outputs[i] for i in ids] == want
+    stats = engine.step_stats
+    assert all(s.num_prefill_tokens == 0 or s.num_decode_tokens == 0 for s in stats)
+    assert sum(s.num_prefill_tokens for s in stats) == sum(len(p) for p in prompts)
+    assert sum(s.num_decode_tokens for s in stats) == len(prompts) * 5
+    # A prompt longer than the budget goes on first, a newcomer's takes the rest, and the decode waits.
+    late = [engine.add_request([3] * 5, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+    engine.step()
+    late.append(engine.add_request([1] * 60, params))
+    engine.step()  # its first 32 tokens
+    late.append(engine.add_request([2] * 8, params))
+    batch = engine.scheduler.schedule()
+    assert [(len(r.prompt_token_ids), n) for r, n in batch.entries] == [(60, 28), (8, 4)]
+    engine.scheduler.rollback(batch)
+    batch = engine.scheduler.schedule()  # (rolled back whole: the same again)
+    assert [(len(r.prompt_token_ids), n) for r, n in batch.entries] == [(60, 28), (8, 4)]
+    engine.scheduler.rollback(batch)
+    for request_id in late:
+        engine.abort(request_id)
+    assert_pool_is_whole(engine)
+
+
 @pytest.mark.parametrize(("option", "value"), [("block_size", 0), ("max_num_seqs", -1), ("num_kv_blocks", 0),
                                                ("max_num_batched_tokens", "x"), ("kv_cache_memory", 0)])
 def test_bad_engine_options_name_the_field(model_dir, option, value):

@@ -33,7 +33,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step, shared by decodes and prefill chunks.
         max_num_seqs: most requests running at once.
         enable_prefix_caching: reuse the KV blocks of prompts' common prefixes (True or False).
-        scheduling_policy: ``"decode-first"`` (``"fcfs"``) or ``"prefill-first"``, or an instance of
+        scheduling_policy: ``"decode-first"`` (``"fcfs"``), ``"prefill-first"`` or ``"prefill-only"``
+            (steps are all prefill or all decode, vLLM's scheduler of 2023), or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"``, ``"triton"`` or ``"cpu"`` (the compiled C++ paged-attention kernels of
             :mod:`minipd.kernels.cpu_paged_attention`); None picks Triton on CUDA, and on a CPU the C++

@@ -65,6 +65,8 @@ class SchedulingPolicy:
     name = "decode-first"
     #: True: running requests (decodes, unfinished prefills) are served before new ones are admitted.
     running_first = True
+    #: True: a step that has prefill work (unfinished or new prompts) carries no decodes.
+    exclusive = False
 
 
 class DecodeFirst(SchedulingPolicy):
@@ -78,8 +80,18 @@ class PrefillFirst(SchedulingPolicy):
     running_first = False
 
 
+class PrefillOnly(SchedulingPolicy):
+    """A step is all prefill (unfinished prompts, then new requests) whenever there is any to do; decodes step
+    only when there is none (vLLM's scheduler before chunked prefill, 2023): low TTFT, and every decode stalls
+    while a prompt is computed — the interference that prefill/decode disaggregation removes."""
+
+    name = "prefill-only"
+    running_first = False
+    exclusive = True
+
+
 POLICIES: dict[str, type[SchedulingPolicy]] = {"decode-first": DecodeFirst, "fcfs": DecodeFirst,
-                                               "prefill-first": PrefillFirst}
+                                               "prefill-first": PrefillFirst, "prefill-only": PrefillOnly}
 
 
 class Scheduler:
@@ -138,6 +150,12 @@ class Scheduler:
                 budget = self._schedule_running(batch, budget)
                 if not batch.preempted:
                     self._schedule_waiting(batch, budget)
+            elif self.policy.exclusive:  # prefill steps (unfinished prompts, then new ones) or decode steps
+                budget = self._schedule_running(batch, budget, prefills_only=True)
+                if not batch.preempted:
+                    budget = self._schedule_waiting(batch, budget)
+                if not batch.entries:
+                    self._schedule_running(batch, budget)
             else:
                 budget = self._schedule_waiting(batch, budget)
                 self._schedule_running(batch, budget)
@@ -146,12 +164,14 @@ class Scheduler:
             raise
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, prefills_only: bool = False) -> int:
         scheduled = {id(r) for r, _ in batch.entries}
         for request in list(self.running):
             if budget == 0:
                 break
             if id(request) in scheduled or request.status is not RequestStatus.RUNNING:
+                continue
+            if prefills_only and request.is_decode(request.num_uncomputed_tokens):
                 continue
             num_new = min(request.num_uncomputed_tokens, budget)
             if num_new == 0:
