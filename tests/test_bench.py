@@ -79,7 +79,8 @@ def test_bench_prints_every_comparison():
                    "median", "[random, seed 0]", "TPOT minipd / one pass over the weights", "machine: ",
                    "engine: on (", "auto: a long-lived engine", "first decode program ready",
                    "warm start (a second process, same engine)", "minipd, bf16",
-                   "(the higher of two measurements, before and after)"):
+                   "(the higher of two measurements, before and after)", "roofline of minipd's",
+                   "x HF padded `generate`"):
         assert needle in text, needle
 
 
@@ -160,3 +161,35 @@ def test_the_floor_keeps_the_higher_of_two_measurements():
     best = busy.best_with(quiet)
     assert best.fp32_flops == {"torch.mm": 180e9, "minipd": 170e9} and best.fp32_peak == 180e9
     assert best.bf16_flops == 2e9 and best.bandwidth == 20e9 and best.threads == 2
+
+
+def test_the_roofline_of_a_schedule_is_each_step_at_its_bound():
+    """A prefill step is bound by its FLOPs at the GEMM peak, a one-row decode step by its bytes at the copy
+    bandwidth; the schedule's roofline is their sum, from the steps' own records."""
+    from minipd.bench.floor import Floor, schedule_roofline
+    from minipd.config import ModelConfig
+    from minipd.engine.stats import StepStats
+    from minipd.models.registry import resolve_model
+    from minipd.sim.costs import step_cost
+
+    config = ModelConfig.from_pretrained(resolve_model("tiny-py"))
+    floor = Floor({"torch.mm": 100e9}, 0.0, 20e9, 2)
+
+    def stats(step: int, prefill: tuple[tuple[int, int], ...], decodes: int, context: int) -> StepStats:
+        return StepStats(start_time=0.0, duration=0.0, num_prefill_tokens=sum(n for n, _ in prefill),
+                         num_decode_tokens=decodes, num_running=0, num_waiting=0, kv_blocks_used=0,
+                         kv_blocks_free=0, prefix_hit_rate=0.0, num_preemptions=0, step=step,
+                         num_context_tokens=context, prefill_chunk_sizes=tuple(n for n, _ in prefill),
+                         prefill_chunk_contexts=tuple(c for _, c in prefill))
+
+    prefill = step_cost(config, [(0, 300), (100, 200)], dtype_bytes=4)  # a prompt, and a second chunk of one
+    decode = step_cost(config, [(40, 1)], dtype_bytes=4)
+    assert prefill.flops / 100e9 > (prefill.weight_bytes + prefill.kv_read_bytes + prefill.kv_write_bytes) / 20e9
+    decode_bound = (decode.weight_bytes + decode.kv_read_bytes + decode.kv_write_bytes) / 20e9
+    assert decode_bound > decode.flops / 100e9
+    steps = [stats(1, ((300, 300), (200, 300)), 0, 600), stats(2, (), 1, 41), stats(3, (), 0, 0)]
+    assert schedule_roofline(config, steps, floor) == pytest.approx(prefill.flops / 100e9 + decode_bound)
+    # Decode rows beside a prefill chunk: their contexts are what the step attended beyond the chunk's.
+    mixed = step_cost(config, [(0, 300), (40, 1), (40, 1)], dtype_bytes=4)
+    assert schedule_roofline(config, [stats(4, ((300, 300),), 2, 382)], floor) == pytest.approx(
+        max(mixed.flops / 100e9, (mixed.weight_bytes + mixed.kv_read_bytes + mixed.kv_write_bytes) / 20e9))

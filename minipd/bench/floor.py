@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minipd.config import ModelConfig
+from minipd.engine.stats import StepStats
 from minipd.sim.costs import step_cost
 
 
@@ -92,6 +93,29 @@ def workload_flops(config: ModelConfig, prompt_lens: Sequence[int], output_lens:
     return sum(request_flops(config, p, n) for p, n in zip(prompt_lens, output_lens, strict=True))
 
 
+def schedule_roofline(config: ModelConfig, steps: Sequence[StepStats], floor: Floor, dtype_bytes: int = 4) -> float:
+    """The least time this machine could take for the steps an engine ran: each step at its roofline, its FLOPs
+    at the fp32 GEMM peak or its weights and K/V moved at the copy bandwidth, whichever takes longer.
+
+    It keeps the engine's own schedule (how many steps, what each carried), so it bounds that schedule, not
+    every schedule; a decode row's context is its step's mean (the steps record the total, not each row's).
+    """
+    total = 0.0
+    for step in steps:
+        chunks = [(context - size, size) for size, context in zip(step.prefill_chunk_sizes,
+                                                                  step.prefill_chunk_contexts, strict=True)]
+        rows = step.num_decode_tokens
+        if rows:
+            context = max(1, (step.num_context_tokens - sum(step.prefill_chunk_contexts)) // rows)
+            chunks += [(context - 1, 1)] * rows
+        if not chunks:
+            continue
+        cost = step_cost(config, chunks, dtype_bytes=dtype_bytes)
+        moved = cost.weight_bytes + cost.kv_read_bytes + cost.kv_write_bytes
+        total += max(cost.flops / floor.fp32_peak, moved / floor.bandwidth)
+    return total
+
+
 def describe(floor: Floor) -> str:
     """One line for a benchmark's header."""
     paths = ", ".join(f"{name} {value / 1e9:.0f}" for name, value in floor.fp32_flops.items())
@@ -99,4 +123,4 @@ def describe(floor: Floor) -> str:
             f"GFLOP/s; copy bandwidth {floor.bandwidth / 1e9:.1f} GB/s")
 
 
-__all__ = ["Floor", "describe", "measure_floor", "request_flops", "workload_flops"]
+__all__ = ["Floor", "describe", "measure_floor", "request_flops", "schedule_roofline", "workload_flops"]

@@ -148,8 +148,9 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, value
 
 
-def run_minipd(llm, workload: Workload) -> Result:
-    """Offline generation of the whole workload by minipd's engine, every prompt computed in full."""
+def run_minipd(llm, workload: Workload, steps: list | None = None) -> Result:
+    """Offline generation of the whole workload by minipd's engine, every prompt computed in full; the run's
+    :class:`~minipd.engine.stats.StepStats` replace the contents of ``steps`` when it is given."""
     from minipd import SamplingParams
 
     # Rounds repeat the same prompts: with the prefix cache left from the last round, prefill would be
@@ -157,8 +158,12 @@ def run_minipd(llm, workload: Workload) -> Result:
     if not llm.reset_prefix_cache():
         raise RuntimeError("the engine still has requests in progress: its prefix cache cannot be emptied")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    history = llm.engine.step_stats
+    before = history[-1].step if history else -1
     seconds, outputs = _timed(lambda: llm.generate(workload.prompts, params, use_tqdm=False))
     produced = sum(len(o.token_ids) for o in outputs)  # type: ignore[attr-defined]
+    if steps is not None:
+        steps[:] = [s for s in history if s.step > before]
     return Result("minipd", seconds, produced)
 
 
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from minipd import LLM, SamplingParams
-    from minipd.bench.floor import describe, measure_floor, workload_flops
+    from minipd.bench.floor import describe, measure_floor, schedule_roofline, workload_flops
 
     s = args.scale
     if args.model.startswith("random-"):  # a random-weight model of that size, built once in the temp folder
@@ -465,8 +470,10 @@ def main(argv: list[str] | None = None) -> int:
                 others["minipd, eager, F.linear (torch)"] = LLM(args.model, max_num_seqs=max(sizes),
                                                                 compile_decode=False, linear_backend="torch")
         engines = {"minipd": llm, **others}
+        steps: list = []  # the default engine's last run, for the roofline of its schedule
         systems: dict[str, Callable[[], Result]] = {
-            name: functools.partial(run_minipd, engine, w) for name, engine in engines.items()}
+            name: functools.partial(run_minipd, engine, w, steps if engine is llm else None)
+            for name, engine in engines.items()}
         systems["HF generate (padded)"] = functools.partial(run_hf_padded, hf, w, pad)
         if not args.no_hf_continuous:
             if hf_continuous_batching_available(hf):
@@ -489,6 +496,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {label:<52} {ratio:7.2f}x")
             else:
                 print(_line(label, ratio, 4.0 if "padded" in name else 3.0, "higher"))
+        if floor is not None and steps:
+            # What the 4x target asks of this machine: the engine's own steps, each at its roofline.
+            bound = schedule_roofline(llm.config, steps, floor, llm.engine.core.dtype.itemsize)
+            padded = median.get("HF generate (padded)")
+            allows = f"; at it, {padded / bound:.2f}x HF padded `generate`" if padded else ""
+            print(f"  roofline of minipd's {len(steps)} steps on this machine (each at max(FLOPs / GEMM peak, bytes / "
+                  f"copy bandwidth)): {bound:.2f} s; minipd takes {median['minipd'] / bound:.2f}x it{allows}")
         if floor is not None:
             share = useful / median["minipd"] / floor.fp32_peak
             if parameters >= PEAK_TARGET_PARAMETERS:
