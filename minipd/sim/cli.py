@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from minipd.engine.scheduler import POLICIES
 from minipd.serve.loadgen import Slo, format_summary
 from minipd.serve.workload import synthetic_workload, trace_workload
 from minipd.sim.cluster import ClusterSpec, simulate
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tpot-slo-ms", type=float, default=None)
     parser.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLOs")
     parser.add_argument("--chunk", type=int, default=2048, help="colocated token budget per step (default 2048)")
-    parser.add_argument("--policy", choices=("decode-first", "prefill-first", "prefill-only"), default="decode-first",
+    parser.add_argument("--policy", choices=tuple(POLICIES), default="decode-first",
                         help="colocated scheduling (default decode-first)")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser
