@@ -1,6 +1,7 @@
 """minipd's C++ panel linears (``linear_backend="cpu"``): the kernel against ``F.linear`` on every path it takes
-(register blocks of 1-6 rows, row chunks, short last panels, bias, strided input), compiled and eager, its
-portable (no AVX2) path, the greedy tokens of whole models, and how ``linear_backend="auto"`` picks it."""
+(register blocks of 1-6 rows, row chunks, short last panels, bias, strided input; fp32, bf16 and fp16 weights),
+compiled and eager, its portable (no AVX2) path, the greedy tokens of whole models, and how
+``linear_backend="auto"`` picks it."""
 
 from __future__ import annotations
 
@@ -44,6 +45,36 @@ def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
+# bf16 and fp16 weights: up to three register blocks widen them as they load (1-18 rows), more rows share one
+# widened copy of each panel (19 rows: four blocks; 97 rows with K=2000: several chunks).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 18, 19, 97])
+@pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
+def test_the_panel_kernel_takes_half_precision_weights(kernels, dtype, rows, in_features, out_features):
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features).to(dtype)
+    panels = kernels.pack_panels(linear.weight.detach())
+    assert panels.dtype == dtype and panels.shape == (-(-out_features // 16), in_features, 16)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        # fp32 inputs: the fp32 product of the stored weights, to fp32's precision.
+        exact = F.linear(x, linear.weight.float(), linear.bias.float())
+        got = kernels.panel_linear(x, panels, linear.bias, out_features)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+        # Inputs in the weights' dtype: the same product of them, rounded once to that dtype (within one unit of
+        # its last place: the two fp32 sums may round to neighbours).
+        narrow = x.to(dtype)
+        want = F.linear(narrow.float(), linear.weight.float(), linear.bias.float())
+        got = kernels.panel_linear(narrow, panels, linear.bias, out_features)
+        assert got.dtype == dtype
+        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+        torch.testing.assert_close(got.float(), want, rtol=ulp, atol=1e-3)
+        # A bf16 layer of a model: the same through PanelLinear (no rows handed to torch unless measured).
+        layer = PanelLinear(linear, kernels)
+        torch.testing.assert_close(layer(narrow).float(), want, rtol=ulp, atol=1e-3)
+
+
 def test_a_panel_linear_takes_any_leading_shape_and_strided_input(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(24, 40)
@@ -71,12 +102,18 @@ def test_the_kernel_refuses_what_it_cannot_multiply(kernels):
         kernels.panel_linear(torch.randn(3, 25), panels, None, 40)  # another number of inputs
     with pytest.raises(RuntimeError, match="panels must be pack_panels"):
         kernels.panel_linear(torch.randn(3, 24), panels, None, 60)  # more features than packed
-    with pytest.raises(RuntimeError, match="x must be a 2-D fp32 CPU tensor"):
+    with pytest.raises(RuntimeError, match="x must be a 2-D CPU tensor of fp32, or of the panels' dtype"):
         kernels.panel_linear(torch.randn(3, 24).double(), panels, None, 40)
-    with pytest.raises(RuntimeError, match="bias of N fp32"):
+    with pytest.raises(RuntimeError, match="x must be a 2-D CPU tensor of fp32, or of the panels' dtype"):
+        kernels.panel_linear(torch.randn(3, 24).bfloat16(), panels, None, 40)  # fp32 weights take fp32 inputs
+    with pytest.raises(RuntimeError, match="x must be a 2-D CPU tensor of fp32, or of the panels' dtype"):
+        kernels.panel_linear(torch.randn(3, 24).half(), kernels.pack_panels(torch.randn(40, 24).bfloat16()), None, 40)
+    with pytest.raises(RuntimeError, match="bias of N values"):
         kernels.panel_linear(torch.randn(3, 24), panels, torch.randn(39), 40)
-    with pytest.raises(ValueError, match="PanelLinear packs fp32 weights on the CPU"):
-        PanelLinear(nn.Linear(4, 4).bfloat16(), kernels)
+    with pytest.raises(RuntimeError, match="weight must be a 2-D fp32, bf16 or fp16 CPU tensor"):
+        kernels.pack_panels(torch.randn(40, 24).double())
+    with pytest.raises(ValueError, match="PanelLinear packs float32, bfloat16, float16 weights on the CPU"):
+        PanelLinear(nn.Linear(4, 4).double(), kernels)
 
 
 @pytest.mark.parametrize("rows", [1, 6, 16])
@@ -114,6 +151,10 @@ def test_the_portable_path_without_avx2_is_f_linear(tmp_path):
             b = torch.randn(n) if bias else None
             torch.testing.assert_close(m.panel_linear(x, m.pack_panels(w), b, n), F.linear(x, w, b),
                                        rtol=1e-5, atol=1e-4)
+            for dtype in (torch.bfloat16, torch.float16):  # narrow weights, fp32 inputs
+                narrow = w.to(dtype)
+                torch.testing.assert_close(m.panel_linear(x, m.pack_panels(narrow), b, n),
+                                           F.linear(x, narrow.float(), b), rtol=1e-5, atol=1e-3)
         print("portable ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -172,8 +213,35 @@ def test_auto_takes_the_panel_kernel_unless_measured_otherwise(kernels, tmp_path
         save_choice("linear_backend", {"choice": choice, "candidates": ["torch", "onednn", "cpu"]})
         info = LLM("tiny-py", num_kv_blocks=16).describe()
         assert info["linear_backend"] == choice and info["linear_backend_reason"].startswith("measured")
-    with pytest.raises(ValueError, match="linear_backend='cpu' packs fp32 weights on the CPU"):
-        LLM("tiny-py", dtype="bfloat16", linear_backend="cpu")
+    # bf16 weights: nothing measured between paths that do not all take them; the panel kernel where built.
+    info = LLM("tiny-py", dtype="bfloat16", num_kv_blocks=16).describe()
+    assert info["linear_backend"] == "cpu" and info["linear_backend_reason"].startswith("bfloat16 weights")
+    with pytest.raises(ValueError, match="linear_backend='onednn' packs fp32 weights on the CPU"):
+        LLM("tiny-py", dtype="bfloat16", linear_backend="onednn")
+
+
+def test_a_bf16_model_streams_half_precision_panels_and_hands_large_batches_to_torch_where_measured(
+        kernels, tmp_path, monkeypatch):
+    from minipd.kernels.measured import save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (24, 5, 40, 12, 30)]
+    plain = LLM("tiny-py", dtype="bfloat16", linear_backend="torch", compile_decode=False)
+    fast = LLM("tiny-py", dtype="bfloat16", compile_decode=False)
+    layers = [m for m in fast.model.modules() if isinstance(m, PanelLinear)]
+    assert layers and all(m.panels.dtype == torch.bfloat16 and m.matmul_rows is None for m in layers)
+    want, got = plain.generate(PROMPTS, params), fast.generate(PROMPTS, params)
+    # The same bf16 weights and activations, each product summed in fp32 in another order and rounded to bf16:
+    # the first tokens agree, and where two tokens are almost tied a greedy path may go its own way after.
+    assert [o.token_ids[0] for o in got] == [o.token_ids[0] for o in want]
+    agree = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids, strict=True)) if a != b),
+                  len(x.token_ids)) for x, y in zip(got, want, strict=True)]
+    assert sum(agree) >= 0.7 * sum(len(o.token_ids) for o in want), agree
+    # Where build-kernels measured torch's bf16 product faster from some row count, prefill goes that way.
+    save_choice("narrow_matmul_rows", {"choice": {"bfloat16": 16, "float16": None}})
+    measured = LLM("tiny-py", dtype="bfloat16", compile_decode=False)
+    assert {m.matmul_rows for m in measured.model.modules() if isinstance(m, PanelLinear)} == {16}
+    assert [o.token_ids[0] for o in measured.generate(PROMPTS, params)] == [o.token_ids[0] for o in want]
 
 
 def test_without_the_built_kernel_cpu_is_refused_and_auto_falls_back(monkeypatch, tmp_path):

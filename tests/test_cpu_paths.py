@@ -142,7 +142,11 @@ def test_linear_backend_errors_name_the_option():
         LLM("tiny-py", linear_backend="mkl")
     with pytest.raises(ValueError, match="linear_backend='onednn' packs fp32 weights on the CPU"):
         LLM("tiny-py", dtype="bfloat16", linear_backend="onednn")
-    assert LLM("tiny-py", dtype="bfloat16").engine.core.linear_backend == "torch"  # auto: not for bf16
+    # auto, bf16 weights: minipd's panel kernel where it is built (oneDNN's packing takes fp32 only), else torch
+    from minipd.kernels.cpu_linear import panel_kernels
+
+    want = "cpu" if panel_kernels() is not None else "torch"
+    assert LLM("tiny-py", dtype="bfloat16").engine.core.linear_backend == want
 
 
 def test_threads_per_step_rule():
@@ -227,10 +231,14 @@ def test_cpu_decode_kernel_leaves_other_formats_to_the_reference():
     from minipd.kernels.cpu_paged_attention import paged_decode_attention_cpu
     from minipd.kernels.paged_attention import paged_decode_attention_torch
 
-    k, v = torch.randn(4, 8, 2, 16).half(), torch.randn(4, 8, 2, 16).half()
-    q, lens, tables = torch.randn(2, 4, 16), torch.tensor([5, 20]), torch.tensor([[0, 1, 2], [3, 2, 1]])
+    k, v = torch.randn(4, 8, 2, 16).double(), torch.randn(4, 8, 2, 16).double()
+    q, lens, tables = torch.randn(2, 4, 16).double(), torch.tensor([5, 20]), torch.tensor([[0, 1, 2], [3, 2, 1]])
     assert torch.equal(paged_decode_attention_cpu(q, k, v, tables, lens, 0.25),
                        paged_decode_attention_torch(q, k, v, tables, lens, 0.25))
+    # fp16 (and bf16) pools it reads itself, where built (tests/test_cpu_kernels.py covers every path).
+    half = paged_decode_attention_cpu(q.float(), k.half(), v.half(), tables, lens, 0.25)
+    torch.testing.assert_close(half, paged_decode_attention_torch(q.float(), k.half(), v.half(), tables, lens, 0.25),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])

@@ -118,4 +118,67 @@ def measure_small_step_tokens(threads: int | None = None, rounds: int = 3, model
     return {"choice": choice, "threads": threads, "one_thread_vs_all": ratios, **cpu_description()}
 
 
-__all__ = ["LINEAR_CASES", "measure_linear_backend", "measure_small_step_tokens"]
+#: Row counts at which torch's product of bf16/fp16 weights is timed against the panel kernel, and the weights:
+#: eight 2048 x 2048 matrices, 64 MiB in bf16, more than a last-level cache holds, as a model's linears are.
+NARROW_ROWS = (8, 16, 32, 64, 128, 256)
+NARROW_SHAPE = (2048, 2048)
+NARROW_MATRICES = 8
+
+
+def _best_of(fn: Any, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16), rounds: int = 3,
+                               rows: tuple[int, ...] = NARROW_ROWS) -> dict[str, Any]:
+    """For bf16 and fp16 weights: from how many rows torch's own product (``F.linear``; oneDNN with the CPU's bf16
+    instructions where it has them) takes under :data:`MARGIN` of the panel kernel's time, at that row count and
+    every larger one timed; None where it never does. The two paths alone, over :data:`NARROW_MATRICES` weights
+    that do not fit the caches (as a model's do not: in cache, torch's bf16 product won from 16 rows on the AVX-512
+    EPYC, and from DRAM the panel kernel was 2x faster there), on this process's threads, interleaved: the
+    crossover is in prefill-sized batches, where a step is a few large products, not the dozens of small ops that
+    made timing linears alone mislead for decode steps."""
+    import torch.nn.functional as F
+
+    from minipd.kernels.cpu_linear import panel_kernels
+
+    module = panel_kernels()
+    if module is None:
+        return {"choice": {}, "why": "minipd's C++ kernels are not built"}
+    out_features, in_features = NARROW_SHAPE
+    ratios: dict[str, dict[int, float]] = {}
+    choice: dict[str, int | None] = {}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(NARROW_MATRICES)]
+        packed = [module.pack_panels(w) for w in weights]
+        ratios[name] = {}
+        for count in rows:
+            x = torch.randn(count, in_features).to(dtype)
+            panel, plain = [], []
+            def through_panels(x: torch.Tensor = x, packed: list = packed) -> None:
+                for p in packed:
+                    module.panel_linear(x, p, None, out_features)
+
+            def through_torch(x: torch.Tensor = x, weights: list = weights) -> None:
+                for w in weights:
+                    F.linear(x, w)
+
+            for _ in range(rounds):  # interleaved
+                panel.append(_best_of(through_panels, 1))
+                plain.append(_best_of(through_torch, 1))
+            ratios[name][count] = round(statistics.median(plain) / statistics.median(panel), 3)
+        faster = [count for count in rows if all(ratios[name][c] < MARGIN for c in rows if c >= count)]
+        choice[name] = min(faster) if faster else None
+    return {"choice": choice, "torch_vs_panels": ratios, "shape": list(NARROW_SHAPE), "matrices": NARROW_MATRICES,
+            **cpu_description()}
+
+
+__all__ = ["LINEAR_CASES", "NARROW_ROWS", "measure_linear_backend", "measure_narrow_matmul_rows",
+           "measure_small_step_tokens"]

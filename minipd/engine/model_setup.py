@@ -50,6 +50,7 @@ def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
     machine; not measured, minipd's C++ kernel where it is built, else oneDNN where it packs); returns the
     backend and why it was chosen."""
     from minipd.kernels.cpu_linear import (
+        PANEL_DTYPES,
         onednn_available,
         pack_linears,
         pack_panel_linears,
@@ -61,7 +62,17 @@ def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     unpack_linears(model)  # (a model another engine packed: this engine's choice is its own)
     reason = "asked for"
-    if backend == "auto":
+    narrow_cpu = device.type == "cpu" and dtype in PANEL_DTYPES and dtype != torch.float32
+    if backend == "auto" and narrow_cpu:
+        # bf16/fp16 weights: nothing to measure between paths that do not all take them. Torch's product of a few
+        # bf16 rows is several times slower than the panel kernel streaming them (which widens them to fp32).
+        if panel_kernels() is not None:
+            backend, reason = "cpu", (f"{str(dtype).removeprefix('torch.')} weights: minipd's C++ kernel, built "
+                                      "(it streams them and multiplies in fp32)")
+        else:
+            backend, reason = "torch", (f"{str(dtype).removeprefix('torch.')} weights and minipd's C++ kernels are "
+                                        "not built (python -m minipd build-kernels)")
+    elif backend == "auto":
         fp32_cpu = device.type == "cpu" and dtype == torch.float32
         ready = {"cpu": fp32_cpu and panel_kernels() is not None, "onednn": fp32_cpu and onednn_available(),
                  "torch": True}
@@ -78,13 +89,16 @@ def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
             backend, reason = "onednn", ("not measured on this machine (python -m minipd build-kernels measures it): "
                                          "oneDNN where it packs")
         else:
-            backend, reason = "torch", ("packed linears take fp32 weights on a CPU only" if not fp32_cpu else
-                                        "neither minipd's C++ kernels nor oneDNN are here")
+            backend, reason = "torch", ("packed linears take fp32, bf16 or fp16 weights on a CPU only" if not fp32_cpu
+                                        else "neither minipd's C++ kernels nor oneDNN are here")
         if measured is not None and measured != backend:
             reason += f" (measured: {measured!r}, not available now)"
+    if backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"linear_backend='onednn' packs fp32 weights on the CPU; this model is "
+                         f"{dtype} on {device.type}: use linear_backend='cpu' (fp32, bf16, fp16), 'torch' or 'auto'")
+    if backend == "cpu" and (device.type != "cpu" or dtype not in PANEL_DTYPES):
+        raise ValueError(f"linear_backend='cpu' packs fp32, bf16 or fp16 weights on the CPU; this model is "
+                         f"{dtype} on {device.type}: use linear_backend='torch' or 'auto'")
     if backend in ("onednn", "cpu"):
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"linear_backend={backend!r} packs fp32 weights on the CPU; this model is "
-                             f"{dtype} on {device.type}: use linear_backend='torch' or 'auto'")
         (pack_linears if backend == "onednn" else pack_panel_linears)(model)
     return backend, reason

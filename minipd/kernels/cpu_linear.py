@@ -16,7 +16,9 @@ relative), which is why it is an engine option; the tests check that greedy outp
 
 minipd's panel kernel (:file:`cpu_panel_linear.cpp`, built with the attention kernels) keeps 16 output
 features' weights interleaved by input, so a register block of up to 6 rows reads each weight once and
-does 12 fused multiply-adds per 8 loads. On the AVX2-only EPYC it beat oneDNN and MKL at every row count
+does 12 fused multiply-adds per 8 loads. It also takes bf16 and fp16 weights (a model loaded in that dtype),
+widened to fp32 as they load: a decode step streams half the bytes, where torch's own bf16 product of a few
+rows is several times slower than fp32. On the AVX2-only EPYC it beat oneDNN and MKL at every row count
 (1 to 1,024): a decode row at memory speed, a batch at up to ~190 GFLOP/s on two cores, where oneDNN
 reached ~160 and MKL ~180. Which path ``"auto"`` takes is measured per machine
 (:mod:`minipd.kernels.measured`).
@@ -75,14 +77,22 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
+#: The weight dtypes minipd's panel kernel packs (oneDNN's packed linears take fp32 only).
+PANEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class _RepackedLinear(nn.Module):
-    """What the packed linears share: an fp32 CPU ``nn.Linear``'s own ``weight`` and ``bias`` tensors (tied
+    """What the packed linears share: a CPU ``nn.Linear``'s own ``weight`` and ``bias`` tensors (tied
     embeddings, state dicts and weight readers see no difference), beside a copy laid out for a kernel."""
+
+    #: The weight dtypes this kind of linear packs.
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-            raise ValueError(f"{type(self).__name__} packs fp32 weights on the CPU; got "
+        if linear.weight.device.type != "cpu" or linear.weight.dtype not in self.dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            raise ValueError(f"{type(self).__name__} packs {allowed} weights on the CPU; got "
                              f"{linear.weight.dtype} on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -92,12 +102,14 @@ class _RepackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
-    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by ``make(linear)``; returns how many."""
+def _swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
+                  dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    """Replace every CPU ``nn.Linear`` of ``model`` with weights of one of ``dtypes`` by ``make(linear)``; returns
+    how many."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
                 setattr(parent, name, make(child))
                 swapped += 1
     return swapped
@@ -150,9 +162,25 @@ def panel_kernels() -> object | None:
     return module if module is not None and hasattr(module, "panel_linear") else None
 
 
+def narrow_matmul_rows(dtype: torch.dtype) -> int | None:
+    """Rows from which torch's own product of ``dtype`` (bf16, fp16) weights is faster than the panel kernel on
+    this machine, as ``python -m minipd build-kernels`` measured it (CPUs with bf16 arithmetic, AVX512-BF16 or
+    AMX, multiply large bf16 batches faster than any fp32 kernel can); None when not measured or never."""
+    from minipd.kernels.measured import measured_choice
+
+    choice = measured_choice("narrow_matmul_rows")
+    rows = choice.get(str(dtype).removeprefix("torch.")) if isinstance(choice, dict) else None
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
 class PanelLinear(_RepackedLinear):
     """An ``nn.Linear`` whose weight is also kept in panels of 16 output features for minipd's C++ kernel
     (``linear_backend="cpu"``, :file:`cpu_panel_linear.cpp`); same parameters, same result up to summation order.
+
+    fp32, bf16 or fp16 weights: the panels keep the weight's dtype and the kernel widens them to fp32 as it
+    loads them (inputs, products and sums in fp32, the result rounded once to the input's dtype). A bf16 or
+    fp16 linear hands batches of :func:`narrow_matmul_rows` rows and more to torch's own product where
+    that was measured faster (bf16 arithmetic in the CPU).
 
     The kernel multiplies up to six rows by a panel in registers, reading the weight once per six rows, in
     order: one decode row streams it at memory speed, a batch runs at the FMA units' rate. On the 2-core AVX2
@@ -162,10 +190,14 @@ class PanelLinear(_RepackedLinear):
     cost the weight's size again.
     """
 
+    dtypes = PANEL_DTYPES
+
     def __init__(self, linear: nn.Linear, module: object) -> None:
         super().__init__(linear)
         # The extension's functions, not the module: a module object would not survive a deepcopy of the model.
         self._pack, self._multiply = module.pack_panels, module.panel_linear  # type: ignore[attr-defined]
+        #: Rows from which a bf16/fp16 linear multiplies through F.linear instead (None: never).
+        self.matmul_rows = None if linear.weight.dtype == torch.float32 else narrow_matmul_rows(linear.weight.dtype)
         self.repack()
 
     def repack(self) -> None:
@@ -177,6 +209,8 @@ class PanelLinear(_RepackedLinear):
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.matmul_rows is not None and rows >= self.matmul_rows:
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
         bias = None if self.bias is None else self.bias.detach()
         if torch.compiler.is_compiling():  # the dispatcher op: the compiled graph calls the kernel whole
@@ -187,14 +221,14 @@ class PanelLinear(_RepackedLinear):
 
 
 def pack_panel_linears(model: nn.Module) -> int:
-    """Replace every fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PanelLinear`; returns how many.
+    """Replace every fp32, bf16 or fp16 CPU ``nn.Linear`` of ``model`` by a :class:`PanelLinear`; returns how many.
 
     Raises ``ValueError`` when the C++ kernels are not built."""
     module = panel_kernels()
     if module is None:
         raise ValueError("linear_backend='cpu' needs minipd's C++ CPU kernels: run `python -m minipd build-kernels` "
                          "(a C++ compiler and ninja), or use linear_backend='onednn' or 'torch'")
-    return _swap_linears(model, lambda linear: PanelLinear(linear, module))
+    return _swap_linears(model, lambda linear: PanelLinear(linear, module), PANEL_DTYPES)
 
 
 def traced_sum_rows(weight_bytes: int, cache_bytes: int | None) -> int:
@@ -239,6 +273,6 @@ def unpack_linears(model: nn.Module) -> int:
     return swapped
 
 
-__all__ = ["SMALL_ROWS", "TRACED_SUM_ROWS", "TRACED_SUM_ROWS_UNCACHED", "PackedLinear", "PanelLinear",
-           "onednn_available", "pack_linears", "pack_panel_linears", "panel_kernels", "rows_linear", "traced_sum_rows",
-           "unpack_linears"]
+__all__ = ["PANEL_DTYPES", "SMALL_ROWS", "TRACED_SUM_ROWS", "TRACED_SUM_ROWS_UNCACHED", "PackedLinear",
+           "PanelLinear", "narrow_matmul_rows", "onednn_available", "pack_linears", "pack_panel_linears",
+           "panel_kernels", "rows_linear", "traced_sum_rows", "unpack_linears"]

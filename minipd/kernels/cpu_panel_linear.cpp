@@ -7,11 +7,19 @@
 // FMA units' rate. Threads split the panels; rows are taken in chunks that stay in the L2 cache. While a panel's
 // blocks run, they prefetch the next panel into L2, a share each: with several blocks (a decode batch of 16 rows
 // is three), only the first would otherwise wait for memory, and the others would leave it idle.
+//
+// Weights may also be kept as bf16 or fp16 (a model loaded in that dtype): half the bytes to stream, which is
+// what bounds a decode step. They are widened to fp32 as they are loaded and everything else is fp32 (inputs,
+// products, sums), so the result is the fp32 product of the stored weights, rounded once to the model's dtype.
+// For more rows than one register block, a panel is widened once into a scratch buffer and the fp32 blocks read
+// that instead, so prefill does not widen the same weights again for every block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -31,6 +39,28 @@ constexpr int64_t kBlockRows = 6;  // input rows per register block: 12 accumula
 constexpr int64_t kChunkBytes = 256 << 10;  // input rows taken together: what half an L2 cache holds
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Line k of a panel (16 weights) as two registers of fp32.
+inline void load_line(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+// bf16 is the top half of an fp32: widened by a shift.
+inline void load_line(const at::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16));
+}
+inline void load_line(const at::Half* p, __m256& lo, __m256& hi) {
+#ifdef __F16C__
+  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+#else
+  alignas(32) float wide[kPanel];
+  for (int64_t j = 0; j < kPanel; ++j) wide[j] = static_cast<float>(p[j]);
+  load_line(wide, lo, hi);
+#endif
+}
+
 // One output row of a panel: bias added, only the panel's real columns written (the last panel may be short).
 inline void store_row(__m256 lo, __m256 hi, float* out, int64_t cols, const float* bias) {
   if (cols == kPanel) {
@@ -52,13 +82,14 @@ inline void store_row(__m256 lo, __m256 hi, float* out, int64_t cols, const floa
 // -fopenmp and -fPIC kept an array of them on the stack and stored it on every iteration (a third of the speed).
 // Prefetching: ``ahead`` points at lines of the next panel (one line, 16 floats, per input k), the first
 // ``ahead_lines`` of which this block fetches into L2, one per input.
-template <int R>
-inline void block(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
-                  int64_t cols, const float* bias, const float* ahead, int64_t ahead_lines) {
+template <int R, typename W>
+inline void block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
+                  int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0, e0 = a0,
          e1 = a0, f0 = a0, f1 = a0;
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 w0, w1;
+    load_line(panel + k * kPanel, w0, w1);
     if (k < ahead_lines) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
 #define MINIPD_ROW(i, lo, hi)                                 \
     if constexpr (R > i) {                                    \
@@ -80,31 +111,36 @@ inline void block(const float* x, int64_t ldx, const float* panel, int64_t K, fl
 
 // One input row: two chains of accumulators (even and odd inputs), so the FMA latency does not bound it. (The
 // last row of a batch like 7 = 6 + 1 prefetches its share of the next panel too.)
-inline void row(const float* x, const float* panel, int64_t K, float* out, int64_t cols, const float* bias,
-                const float* ahead, int64_t ahead_lines) {
+template <typename W>
+inline void row(const float* x, const W* panel, int64_t K, float* out, int64_t cols, const float* bias,
+                const W* ahead, int64_t ahead_lines) {
   for (int64_t k = 0; k < ahead_lines; ++k)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, w0, w1, v0, v1;
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
     const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
-    a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(panel + k * kPanel), a0);
-    a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
-    b0 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + (k + 1) * kPanel), b0);
-    b1 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + (k + 1) * kPanel + 8), b1);
+    load_line(panel + k * kPanel, w0, w1);
+    load_line(panel + (k + 1) * kPanel, v0, v1);
+    a0 = _mm256_fmadd_ps(xa, w0, a0);
+    a1 = _mm256_fmadd_ps(xa, w1, a1);
+    b0 = _mm256_fmadd_ps(xb, v0, b0);
+    b1 = _mm256_fmadd_ps(xb, v1, b1);
   }
   if (k < K) {
     const __m256 xa = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(panel + k * kPanel), a0);
-    a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(panel + k * kPanel + 8), a1);
+    load_line(panel + k * kPanel, w0, w1);
+    a0 = _mm256_fmadd_ps(xa, w0, a0);
+    a1 = _mm256_fmadd_ps(xa, w1, a1);
   }
   store_row(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), out, cols, bias);
 }
 #endif
 
 // Rows [0, rows) (at most kBlockRows) of x times one panel, into out (row stride ldo).
-void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t K, float* out,
-                      int64_t ldo, int64_t cols, const float* bias, const float* ahead, int64_t ahead_lines) {
+template <typename W>
+void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const W* panel, int64_t K, float* out,
+                      int64_t ldo, int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
 #if defined(__AVX2__) && defined(__FMA__)
   switch (rows) {
     case 1: return row(x, panel, K, out, cols, bias, ahead, ahead_lines);
@@ -123,10 +159,25 @@ void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const float* pa
     for (int64_t k = 0; k < K; ++k) {
       const float xv = x[r * ldx + k];
 #pragma omp simd
-      for (int64_t j = 0; j < kPanel; ++j) acc[j] += xv * panel[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) acc[j] += xv * static_cast<float>(panel[k * kPanel + j]);
     }
     for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = acc[j] + (bias ? bias[j] : 0.f);
   }
+#endif
+}
+
+// A panel's K lines of 16 weights widened to fp32, into wide.
+template <typename W>
+void widen_panel(const W* panel, int64_t K, float* wide) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 lo, hi;
+    load_line(panel + k * kPanel, lo, hi);
+    _mm256_storeu_ps(wide + k * kPanel, lo);
+    _mm256_storeu_ps(wide + k * kPanel + 8, hi);
+  }
+#else
+  for (int64_t i = 0; i < K * kPanel; ++i) wide[i] = static_cast<float>(panel[i]);
 #endif
 }
 
@@ -136,42 +187,29 @@ using minipd_panels::kBlockRows;
 using minipd_panels::kChunkBytes;
 using minipd_panels::kPanel;
 
-// W (N, K) -> panels (ceil(N / 16), K, 16), the features past N zero.
+bool panel_dtype(torch::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf;
+}
+
+// W (N, K) -> panels (ceil(N / 16), K, 16) of W's dtype, the features past N zero.
 torch::Tensor pack_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
-              "pack_panels: weight must be a 2-D fp32 CPU tensor");
+  TORCH_CHECK(weight.dim() == 2 && panel_dtype(weight.scalar_type()) && weight.device().is_cpu(),
+              "pack_panels: weight must be a 2-D fp32, bf16 or fp16 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
   auto padded = torch::zeros({P * kPanel, K}, weight.options());
   padded.narrow(0, 0, N).copy_(weight);
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x (M, K) @ W.T + bias -> (M, N), W given as pack_panels(W).
-torch::Tensor panel_linear(const torch::Tensor& x_in, const torch::Tensor& panels,
-                           const c10::optional<torch::Tensor>& bias_in, int64_t N) {
-  MINIPD_RELEASE_GIL_IF_HELD
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
-              "panel_linear: x must be a 2-D fp32 CPU tensor");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat32 && panels.is_contiguous() &&
-                  panels.size(1) == x_in.size(1) && panels.size(2) == kPanel && panels.size(0) * kPanel >= N &&
-                  (panels.size(0) - 1) * kPanel < N,
-              "panel_linear: panels must be pack_panels(W) of a W with N rows and x's number of columns");
-  const torch::Tensor x = x_in.contiguous();
-  torch::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == N && bias_in->scalar_type() == torch::kFloat32, "panel_linear: bias of N fp32");
-    bias = bias_in->contiguous();
-  }
-  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+// x (M, K) @ W.T + bias -> (M, N) as rows of fp32 (x, bias and out), the panels of type W.
+template <typename W>
+void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, const float* bp, float* op,
+                     int64_t N) {
   const int64_t chunk = std::max<int64_t>(kBlockRows, kChunkBytes / (4 * std::max<int64_t>(K, 1)) / kBlockRows *
                                                           kBlockRows);
+  constexpr bool kNarrow = !std::is_same_v<W, float>;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(kNarrow ? K * kPanel : 0);  // a narrow panel widened, for chunks of several blocks
     for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // a chunk of rows stays in L2 while this thread's panels pass
       const int64_t r1 = std::min(M, r0 + chunk);
       for (int64_t p = begin; p < end; ++p) {
@@ -180,16 +218,63 @@ torch::Tensor panel_linear(const torch::Tensor& x_in, const torch::Tensor& panel
         // rows stream the weight at memory speed anyway: prefetching it as well was 5% slower for two.)
         const int64_t next = r1 - r0 <= 2 ? -1 : p + 1 < end ? p + 1 : (r1 < M ? begin : -1);
         const int64_t blocks = (r1 - r0 + kBlockRows - 1) / kBlockRows;
+        const W* panel = pp + p * K * kPanel;
+        // Up to three blocks widen the weights as they load them (16 rows: 0.88x fp32's time on a 50M model's
+        // linears, where a widened copy took 1.16x); more share one widened copy.
+        const bool widen = kNarrow && blocks > 3;
+        if (widen) minipd_panels::widen_panel(panel, K, wide.data());
         for (int64_t r = r0, b = 0; r < r1; r += kBlockRows, ++b) {
           const int64_t first = b * K / blocks, lines = next < 0 ? 0 : (b + 1) * K / blocks - first;
-          minipd_panels::rows_times_panel(xp + r * K, K, std::min(kBlockRows, r1 - r), pp + p * K * kPanel, K,
-                                          op + r * N + p * kPanel, N, cols, bp ? bp + p * kPanel : nullptr,
-                                          pp + (next < 0 ? 0 : next * K + first) * kPanel, lines);
+          const int64_t rows = std::min(kBlockRows, r1 - r);
+          float* out = op + r * N + p * kPanel;
+          const float* bias = bp ? bp + p * kPanel : nullptr;
+          const W* ahead = pp + (next < 0 ? 0 : next * K + first) * kPanel;
+          if (widen)  // (the next panel is still fetched in its own type, a line per 16 weights)
+            minipd_panels::rows_times_panel<float>(xp + r * K, K, rows, wide.data(), K, out, N, cols, bias,
+                                                   reinterpret_cast<const float*>(ahead), lines * sizeof(W) / 4);
+          else
+            minipd_panels::rows_times_panel<W>(xp + r * K, K, rows, panel, K, out, N, cols, bias, ahead, lines);
         }
       }
     }
   });
-  return out;
+}
+
+// x (M, K) @ W.T + bias -> (M, N), W given as pack_panels(W). fp32 panels take fp32 x; bf16 and fp16 panels take x
+// in their dtype or fp32, and the result has x's dtype (computed in fp32, rounded once).
+torch::Tensor panel_linear(const torch::Tensor& x_in, const torch::Tensor& panels,
+                           const c10::optional<torch::Tensor>& bias_in, int64_t N) {
+  MINIPD_RELEASE_GIL_IF_HELD
+  const auto wtype = panels.scalar_type(), xtype = x_in.scalar_type();
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu() &&
+                  (xtype == torch::kFloat32 || (wtype != torch::kFloat32 && xtype == wtype)),
+              "panel_linear: x must be a 2-D CPU tensor of fp32, or of the panels' dtype");
+  TORCH_CHECK(panels.dim() == 3 && panel_dtype(wtype) && panels.is_contiguous() &&
+                  panels.size(1) == x_in.size(1) && panels.size(2) == kPanel && panels.size(0) * kPanel >= N &&
+                  (panels.size(0) - 1) * kPanel < N,
+              "panel_linear: panels must be pack_panels(W) of a W with N rows and x's number of columns");
+  const torch::Tensor x = x_in.to(torch::kFloat32).contiguous();  // (no copy for fp32 rows already in order)
+  torch::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->numel() == N && (bias_in->scalar_type() == torch::kFloat32 ||
+                                          bias_in->scalar_type() == wtype),
+                "panel_linear: bias of N values, fp32 or the panels' dtype");
+    bias = bias_in->to(torch::kFloat32).contiguous();
+  }
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const float* xp = x.data_ptr<float>();
+    const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    if (wtype == torch::kFloat32)
+      multiply_panels(xp, M, K, panels.data_ptr<float>(), P, bp, op, N);
+    else if (wtype == torch::kBFloat16)
+      multiply_panels(xp, M, K, panels.data_ptr<at::BFloat16>(), P, bp, op, N);
+    else
+      multiply_panels(xp, M, K, panels.data_ptr<at::Half>(), P, bp, op, N);
+  }
+  return xtype == torch::kFloat32 ? out : out.to(xtype);
 }
 
 // Also a dispatcher op (torch.ops.minipd_cpu.panel_linear), so a compiled graph calls it with no Python between.
