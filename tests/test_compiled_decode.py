@@ -218,7 +218,8 @@ def test_a_refused_recompilation_turns_compiled_decode_off_and_the_step_runs_eag
 
 @pytest.mark.parametrize(("kernel_backend", "kv_cache_dtype"), [("cpu", "fp16"), ("cpu", "bf16"), ("torch", "fp16")])
 def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backend, kv_cache_dtype):
-    """The C++ kernel reads fp32 pools only: over an fp16/bf16 pool the compiled step uses the torch attention."""
+    """An fp32 model over an fp16/bf16 pool: the compiled step uses the torch attention, which rounds the new rows
+    as the pool keeps them (an eager step reads the pool through the C++ kernel after storing them)."""
     if kernel_backend == "cpu":
         need_cpu_kernel()
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (16, 7, 3)]
@@ -226,6 +227,20 @@ def test_compiled_decode_runs_over_a_half_precision_pool_like_eager(kernel_backe
     want = _tokens(LLM("tiny-py", **options), params)
     llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
     assert _tokens(llm, params) == want
+    assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
+
+
+def test_compiled_decode_of_a_bf16_model_calls_the_kernels_over_its_own_pool_like_eager():
+    """A model loaded in bf16: its pool is bf16 too, and the program calls the C++ decode kernel on it (rows widened
+    to fp32 as read) and the panel linears on bf16 weights, as the eager step does. bf16 rounds every activation:
+    the greedy tokens agree, the log-probabilities to bf16's precision."""
+    need_cpu_kernel()
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (16, 7, 3)]
+    options = dict(dtype="bfloat16", max_model_len=64, max_num_seqs=4)
+    eager = LLM("tiny-py", **options)
+    llm = LLM("tiny-py", compile_decode=True, compile_batch_sizes=(4,), **options)
+    assert llm.engine.core._compiled_attention_is_the_kernel() and llm.engine.core.linear_backend == "cpu"
+    _assert_same_outputs(llm.generate(PROMPTS, params), eager.generate(PROMPTS, params), 0.1)
     assert llm.engine.core.runner.compiled.compiled  # the compiled program ran (it did not fall back)
 
 

@@ -163,7 +163,14 @@ def test_decode_with_the_new_token_apart_matches_the_reference_on_a_stored_pool(
                                want, **TOL)
 
 
-def test_decode_with_the_new_token_apart_falls_back_to_storing_it_in_a_copy():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_decode_with_the_new_token_apart_on_an_fp16_pool_takes_it_as_stored(kernel, monkeypatch):
+    # An fp16 pool of an fp32 model: the kernel reads it in place (rows widened to fp32), and the new rows count
+    # as the pool would keep them, rounded to fp16. Without the kernel, the fallback stores them into a copy.
+    if kernel:
+        need_cpu_kernel()
+    else:
+        monkeypatch.setattr(cpu_paged_attention, "load_kernel", lambda: (None, "not built"))
     k, v, tables, lens = make_pool(DECODE_LENS, 2, 16, 8, seed=11, dtype=torch.float16, poison=False)
     q = torch.randn(len(DECODE_LENS), 4, 16)
     k_new, v_new = torch.randn(len(DECODE_LENS), 2, 16), torch.randn(len(DECODE_LENS), 2, 16)
@@ -171,11 +178,48 @@ def test_decode_with_the_new_token_apart_falls_back_to_storing_it_in_a_copy():
     _poison_new_slots(k, v, tables, lens)
     k_before, v_before = k.clone(), v.clone()
     got = paged_decode_attention_cpu(q, k, v, tables, lens, 0.25, 10, k_new=k_new, v_new=v_new)
-    assert torch.equal(got, paged_decode_attention_torch(q, k_stored, v_stored, tables, lens, 0.25, 10))
+    want = paged_decode_attention_torch(q, k_stored, v_stored, tables, lens, 0.25, 10)
+    assert got.dtype == torch.float32
+    if kernel:
+        torch.testing.assert_close(got, want, **TOL)
+    else:
+        assert torch.equal(got, want)
     assert torch.equal(k.isnan(), k_before.isnan()) and torch.equal(k.nan_to_num(), k_before.nan_to_num())
     assert torch.equal(v.isnan(), v_before.isnan()) and torch.equal(v.nan_to_num(), v_before.nan_to_num())
     with pytest.raises(ValueError, match="both k_new and v_new"):
         paged_decode_attention_cpu(q, k, v, tables, lens, 0.25, k_new=k_new)
+
+
+# bf16 and fp16 pools (a model loaded in that dtype): every path of the kernel — the AVX2 one for head sizes that
+# are multiples of 8 (32, 40: an odd multiple), the generic one (36) — against the reference on the widened pool,
+# with queries in fp32 (exact up to summation order) and in the pool's dtype (the result rounded to it).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [32, 40, 36])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_reads_bf16_and_fp16_pools_in_place(dtype, dim, window):
+    need_cpu_kernel()
+    k, v, tables, lens = make_pool(DECODE_LENS, 2, dim, 8, seed=dim, dtype=dtype, poison=False)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(len(DECODE_LENS), 8, dim, generator=g)
+    k_new, v_new = (torch.randn(len(DECODE_LENS), 2, dim, generator=g).to(dtype) for _ in range(2))
+    k_stored, v_stored = _store_new_rows(k, v, tables, lens, k_new, v_new)
+    want = paged_decode_attention_torch(q, k_stored.float(), v_stored.float(), tables, lens, 0.2, window)
+    # Read from a pool whose slots no sequence owns are NaN: nothing past a sequence's end is read.
+    poisoned = _store_new_rows(*make_pool(DECODE_LENS, 2, dim, 8, seed=dim, dtype=dtype)[:2], tables, lens, k_new,
+                               v_new)
+    got = paged_decode_attention_cpu(q, *poisoned, tables, lens, 0.2, window)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL)
+    narrow = paged_decode_attention_cpu(q.to(dtype), k_stored, v_stored, tables, lens, 0.2, window)
+    assert narrow.dtype == dtype
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    want_narrow = paged_decode_attention_torch(q.to(dtype).float(), k_stored.float(), v_stored.float(), tables, lens,
+                                               0.2, window)
+    torch.testing.assert_close(narrow.float(), want_narrow, rtol=ulp, atol=1e-3)
+    # The new rows apart (the pool's slots for them poisoned), as a compiled step of a bf16 model passes them.
+    _poison_new_slots(k, v, tables, lens)
+    apart = paged_decode_attention_cpu(q.to(dtype), k, v, tables, lens, 0.2, window, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(apart.float(), want_narrow, rtol=ulp, atol=1e-3)
 
 
 def test_decode_with_the_new_token_apart_needs_a_context_holding_it():

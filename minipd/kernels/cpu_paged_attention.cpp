@@ -242,6 +242,22 @@ inline __m256 exp_approx8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
+// Eight entries of a K/V row as fp32: bf16 is the top half of an fp32 (widened by a shift), fp16 by F16C.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 widen8(const at::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
+#endif
+}
+
 inline float hmax8(__m256 x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -341,13 +357,24 @@ inline void decode_chunk(const float* qs, int64_t group, int64_t dim, const floa
 }
 #endif
 
+// With narrow_pools, the caches may also be bf16 or fp16 (both alike) and q fp32 or the caches' dtype.
 void check_pool(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+                const torch::Tensor& block_tables, const torch::Tensor& context_lens, bool narrow_pools = false) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q must be (tokens, heads, head_dim) and the caches (blocks, block_size, kv_heads, head_dim)");
-  for (const torch::Tensor* t : {&q, &k_cache, &v_cache})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous(),
-                "q and the caches must be contiguous fp32 CPU tensors");
+  const auto pool = k_cache.scalar_type();
+  if (narrow_pools && pool != torch::kFloat) {
+    TORCH_CHECK((pool == torch::kBFloat16 || pool == torch::kHalf) && v_cache.scalar_type() == pool &&
+                    (q.scalar_type() == torch::kFloat || q.scalar_type() == pool),
+                "the caches must both be fp32, bf16 or fp16, and q fp32 or the caches' dtype");
+    for (const torch::Tensor* t : {&q, &k_cache, &v_cache})
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "q and the caches must be contiguous CPU tensors");
+  } else {
+    for (const torch::Tensor* t : {&q, &k_cache, &v_cache})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                  narrow_pools ? "q and the caches must be contiguous fp32 CPU tensors (or bf16/fp16 caches)"
+                               : "q and the caches must be contiguous fp32 CPU tensors");
+  }
   TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
               "head_dim must match and the query heads must be a multiple of the KV heads");
   for (const torch::Tensor* t : {&block_tables, &context_lens})
@@ -377,11 +404,25 @@ struct PrefillTile {
 
 // q (B, H, D), caches (N, block_size, KVH, D), tables (B, max_blocks) int64, lens (B) int64; fp32.
 // k_new, v_new: empty, or (B, KVH, D): position lens[b] - 1 is read from them, not from the pool.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+// A pool's element type, passed as a value to the generic lambdas below (C++17 has no std::type_identity).
+template <typename T>
+struct ElementType {
+  using type = T;
+};
+
+// The caches may also be bf16 or fp16 (a model loaded in that dtype): each chunk's rows are widened to fp32 once
+// fetched, and everything else is fp32; q, k_new and v_new may then be in the caches' dtype, and the result is.
+torch::Tensor paged_decode(torch::Tensor q_in, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                           int64_t window, torch::Tensor k_new, torch::Tensor v_new) {
+                           int64_t window, torch::Tensor k_new_in, torch::Tensor v_new_in) {
   MINIPD_RELEASE_GIL_IF_HELD  // (defined in cpu_panel_linear.cpp, compiled before this file)
-  check_pool(q, k_cache, v_cache, block_tables, context_lens);
+  check_pool(q_in, k_cache, v_cache, block_tables, context_lens, /*narrow_pools=*/true);
+  const auto pool_type = k_cache.scalar_type();
+  const torch::Tensor q = q_in.to(torch::kFloat).contiguous();
+  const bool narrow_new = k_new_in.numel() > 0 && k_new_in.scalar_type() == pool_type && pool_type != torch::kFloat;
+  const torch::Tensor k_new = narrow_new ? k_new_in.to(torch::kFloat).contiguous() : k_new_in;
+  const torch::Tensor v_new = narrow_new && v_new_in.scalar_type() == pool_type ? v_new_in.to(torch::kFloat).contiguous()
+                                                                                : v_new_in;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t group = H / KVH, table_width = block_tables.size(1);
@@ -401,8 +442,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const float* knp = has_new ? k_new.data_ptr<float>() : nullptr;
   const float* vnp = has_new ? v_new.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
@@ -410,14 +449,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float fscale = static_cast<float>(scale);
   // The head size as a constant for the common sizes: fixed trip counts let the compiler unroll and keep
   // the per-key loops in registers.
-  auto run = [&](auto head_dim) {
+  auto run = [&](auto head_dim, auto element) {
     constexpr int64_t kD = decltype(head_dim)::value;
+    using T = typename decltype(element)::type;  // the pool's element type
+    constexpr bool kNarrow = !std::is_same_v<T, float>;
     const int64_t Dn = kD > 0 ? kD : D;
+    const T* kp = k_cache.data_ptr<T>();
+    const T* vp = v_cache.data_ptr<T>();
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(group * Dn), scores(group * kLanes), keys_t(Dn * kLanes), m(group), l(group);
+      // Narrow pools: the rows in use, widened to fp32 (a block's on the generic path, a chunk's of at most 64 on the
+      // AVX2 one).
+      std::vector<float> wide_k(kNarrow ? std::max(bs, int64_t{64}) * Dn : 0), wide_v(wide_k.size());
 #ifdef MINIPD_AVX2_PATHS
       std::vector<float> qs(group * Dn), chunk_scores(group * kDecodeChunk);
-      std::vector<const float*> key_rows(2 * kDecodeChunk), value_rows(2 * kDecodeChunk);  // this chunk, the next
+      std::vector<const T*> key_rows(2 * kDecodeChunk), value_rows(2 * kDecodeChunk);  // this chunk, the next
+      std::vector<const float*> wide_k_rows(kNarrow ? kDecodeChunk : 0), wide_v_rows(wide_k_rows.size());
 #endif
       for (int64_t idx = begin; idx < end; ++idx) {
         const int64_t b = idx / KVH, kvh = idx % KVH, len = lp[b];
@@ -435,7 +482,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
           // the next chunk's rows are found and prefetched before this one is computed: its blocks lie anywhere
           // in the pool, where the hardware prefetcher cannot guess them, and a step's K/V rarely fit the caches.
           int64_t block_index = first / bs, within = first % bs;
-          auto gather = [&](int64_t c0, const float** k_rows, const float** v_rows) {
+          auto gather = [&](int64_t c0, const T** k_rows, const T** v_rows) {
             const int64_t n = std::min(kDecodeChunk, pool_end - c0);
             for (int64_t t = 0; t < n; ++t) {
               const int64_t offset = tp[b * table_width + block_index] * block_stride + within * row + kvh * Dn;
@@ -447,7 +494,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               // the 2-core EPYC: 8.6 -> 4.7 ms with the blocks scattered over the pool, 7.0 -> 5.1 ms in order.
               const char* k_line = reinterpret_cast<const char*>(k_rows[t] - kvh * Dn);
               const char* v_line = reinterpret_cast<const char*>(v_rows[t] - kvh * Dn);
-              for (int64_t byte = 0; byte < row * 4; byte += 64) {
+              for (int64_t byte = 0; byte < row * static_cast<int64_t>(sizeof(T)); byte += 64) {
                 _mm_prefetch(k_line + byte, _MM_HINT_T1);
                 _mm_prefetch(v_line + byte, _MM_HINT_T1);
               }
@@ -456,14 +503,32 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
             for (int64_t t = n; t < kDecodeChunk; ++t) k_rows[t] = k_rows[n - 1];
             return n;
           };
-          const float** k_now = key_rows.data();
-          const float** v_now = value_rows.data();
-          const float** k_next = k_now + kDecodeChunk;
-          const float** v_next = v_now + kDecodeChunk;
+          const T** k_now = key_rows.data();
+          const T** v_now = value_rows.data();
+          const T** k_next = k_now + kDecodeChunk;
+          const T** v_next = v_now + kDecodeChunk;
           int64_t n = first < pool_end ? gather(first, k_now, v_now) : 0;
           for (int64_t c0 = first; c0 < pool_end; c0 += kDecodeChunk) {
             const int64_t n_next = c0 + kDecodeChunk < pool_end ? gather(c0 + kDecodeChunk, k_next, v_next) : 0;
-            decode_chunk(qs.data(), group, Dn, k_now, v_now, n, chunk_scores.data(), acc.data(), m.data(), l.data());
+            if constexpr (kNarrow) {
+              // This chunk's rows (fetched into L2 while the chunk before was computed) widened to fp32.
+              for (int64_t t = 0; t < n; ++t) {
+                float* wk = wide_k.data() + t * Dn;
+                float* wv = wide_v.data() + t * Dn;
+                for (int64_t d = 0; d < Dn; d += 8) {
+                  _mm256_storeu_ps(wk + d, widen8(k_now[t] + d));
+                  _mm256_storeu_ps(wv + d, widen8(v_now[t] + d));
+                }
+                wide_k_rows[t] = wk;
+                wide_v_rows[t] = wv;
+              }
+              for (int64_t t = n; t < kDecodeChunk; ++t) wide_k_rows[t] = wide_k_rows[n - 1];
+              decode_chunk(qs.data(), group, Dn, wide_k_rows.data(), wide_v_rows.data(), n, chunk_scores.data(),
+                           acc.data(), m.data(), l.data());
+            } else {
+              decode_chunk(qs.data(), group, Dn, k_now, v_now, n, chunk_scores.data(), acc.data(), m.data(),
+                           l.data());
+            }
             std::swap(k_now, k_next);
             std::swap(v_now, v_next);
             n = n_next;
@@ -474,14 +539,28 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         for (int64_t start = first - first % bs; first < pool_end && start < pool_end; start += bs) {
           const int64_t block = tp[b * table_width + start / bs];
           const int64_t lo = std::max(start, first), hi = std::min(start + bs, pool_end);
-          const float* kb = kp + block * block_stride + kvh * Dn;
-          const float* vb = vp + block * block_stride + kvh * Dn;
+          const float* kb;
+          const float* vb;
+          int64_t stride = row;  // between the keys (and values) of the block as read here
+          if constexpr (kNarrow) {  // the block's rows in use, widened to fp32, one after the other
+            for (int64_t t = lo - start; t < hi - start; ++t)
+              for (int64_t d = 0; d < Dn; ++d) {
+                wide_k[t * Dn + d] = static_cast<float>(kp[block * block_stride + t * row + kvh * Dn + d]);
+                wide_v[t * Dn + d] = static_cast<float>(vp[block * block_stride + t * row + kvh * Dn + d]);
+              }
+            kb = wide_k.data();
+            vb = wide_v.data();
+            stride = Dn;
+          } else {
+            kb = kp + block * block_stride + kvh * Dn;
+            vb = vp + block * block_stride + kvh * Dn;
+          }
           // Up to kLanes keys at a time (a block may hold more).
           for (int64_t c0 = lo; c0 < hi; c0 += kLanes) {
             // Scores of the whole group against the chunk as one small product: its keys are first
             // laid out transposed (head_dim x kLanes), so each query head's scores fill one register-wide row.
             const int64_t n = std::min(hi - c0, kLanes);
-            transpose_keys(kb + (c0 - start) * row, row, n, Dn, keys_t.data());
+            transpose_keys(kb + (c0 - start) * stride, stride, n, Dn, keys_t.data());
             product<false>(qb, Dn, 1, keys_t.data(), kLanes, Dn, scores.data(), kLanes, group, kLanes, nullptr);
             for (int64_t g = 0; g < group; ++g) {
               float* sg = scores.data() + g * kLanes;
@@ -507,7 +586,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               l[g] += block_sum;
               for (int64_t t = 0; t < n; ++t) {
                 const float pt = sg[t];
-                const float* v = vb + (c0 - start + t) * row;
+                const float* v = vb + (c0 - start + t) * stride;
 #pragma omp simd
                 for (int64_t d = 0; d < Dn; ++d) a[d] += pt * v[d];
               }
@@ -542,13 +621,21 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       }
     });
   };
-  switch (D) {
-    case 32: run(std::integral_constant<int64_t, 32>{}); break;
-    case 64: run(std::integral_constant<int64_t, 64>{}); break;
-    case 128: run(std::integral_constant<int64_t, 128>{}); break;
-    default: run(std::integral_constant<int64_t, 0>{});
-  }
-  return out;
+  auto run_for = [&](auto element) {
+    switch (D) {
+      case 32: run(std::integral_constant<int64_t, 32>{}, element); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}, element); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}, element); break;
+      default: run(std::integral_constant<int64_t, 0>{}, element);
+    }
+  };
+  if (pool_type == torch::kBFloat16)
+    run_for(ElementType<at::BFloat16>{});
+  else if (pool_type == torch::kHalf)
+    run_for(ElementType<at::Half>{});
+  else
+    run_for(ElementType<float>{});
+  return q_in.scalar_type() == torch::kFloat ? out : out.to(q_in.scalar_type());
 }
 
 // q (N, H, D): sequence i's queries are rows query_start_loc[i] .. query_start_loc[i + 1], the last of its

@@ -8,7 +8,9 @@ a KV head (grouped-query attention) are served together, so each K/V row is load
 
 - :func:`paged_decode_attention_cpu`: one query per sequence; work is split over (sequence, KV head)
   pairs with ``at::parallel_for``. The new token's K/V may be passed separately (``k_new``, ``v_new``)
-  instead of read from the pool, for a compiled decode step that must not write the pool.
+  instead of read from the pool, for a compiled decode step that must not write the pool. A bf16 or fp16
+  pool (a model loaded in that dtype, or ``kv_cache_dtype="fp16"``) is read in place too, each chunk of rows
+  widened to fp32 once fetched: half the bytes of an fp32 pool, the same arithmetic.
 - :func:`paged_prefill_attention_cpu`: every sequence's chunk of queries in one call, causal, with an
   optional sliding window. Work items are (sequence, KV head, tile of queries), costliest first, taken
   one at a time by each thread, so one long prompt still uses every core. A tile's query rows (its
@@ -182,6 +184,23 @@ def _takes(*tensors: object) -> bool:
                and t.layout == torch.strided for t in tensors)
 
 
+#: Pool dtypes the decode kernel reads besides fp32 (widening each row as it is fetched).
+NARROW_POOL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _decode_takes(q: torch.Tensor, k_cache: object, v_cache: object, *rows: torch.Tensor) -> bool:
+    """Whether the decode kernel reads these as they are: fp32 throughout, or bf16/fp16 caches (both alike) with
+    queries and new rows in fp32 or the caches' dtype (plain CPU tensors: no quantized pool objects)."""
+    if _takes(q, k_cache, v_cache, *rows):
+        return True
+    tensors = (q, k_cache, v_cache, *rows)
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided for t in tensors):
+        return False
+    pool = k_cache.dtype  # type: ignore[union-attr]
+    return (pool in NARROW_POOL_DTYPES and v_cache.dtype == pool and q.dtype in (torch.float32, pool)  # type: ignore[union-attr]
+            and len({t.dtype for t in rows}) <= 1 and all(t.dtype in (torch.float32, pool) for t in rows))
+
+
 def _window(sliding_window: int | None) -> int:
     return 0 if sliding_window is None else int(sliding_window)
 
@@ -203,21 +222,25 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     the pool is read for the positions before it only. So a decode step can attend before (or without)
     storing its token. Every length must then be at least 1.
 
-    Falls back to the reference for what the kernel does not take (non-fp32 tensors, non-CPU tensors,
-    a pool that is not a plain tensor, or no compiled kernel); with ``k_new`` the fallback stores the new
-    rows into a copy of the pool first (slow, but the same answer as storing, then attending).
+    The pool may be fp32, bf16 or fp16 (its rows widened to fp32 as they are read; queries and new rows in fp32
+    or the pool's dtype, the result in the queries'). Falls back to the reference for what the kernel does not
+    take (other dtypes, non-CPU tensors, a pool that is not a plain tensor, or no compiled kernel); with
+    ``k_new`` the fallback stores the new rows into a copy of the pool first (slow, but the same answer as
+    storing, then attending).
     """
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new, or neither")
     module, _ = load_kernel()
     rows = () if k_new is None else (k_new, v_new)
-    if module is None or not _takes(q, k_cache, v_cache, *rows) or q.shape[1] % k_cache.shape[2]:
+    if module is None or not _decode_takes(q, k_cache, v_cache, *rows) or q.shape[1] % k_cache.shape[2]:
         if k_new is not None and v_new is not None:
             k_cache, v_cache = _with_new_rows(k_cache, v_cache, block_tables, context_lens, k_new, v_new)
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
                                             context_lens_host=context_lens_host)
-    k_rows = _NO_ROWS if k_new is None else k_new.contiguous()
-    v_rows = _NO_ROWS if v_new is None else v_new.contiguous()
+    # New rows are taken as the pool would keep them: a bf16/fp16 pool rounds them to its dtype when stored.
+    keep = k_cache.dtype  # type: ignore[union-attr]
+    k_rows = _NO_ROWS if k_new is None else k_new.to(keep).contiguous()
+    v_rows = _NO_ROWS if v_new is None else v_new.to(keep).contiguous()
     return module.paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),  # type: ignore[attr-defined]
                                _as_index(block_tables), _as_index(context_lens), float(scale),
                                _window(sliding_window), k_rows, v_rows)
