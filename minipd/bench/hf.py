@@ -525,14 +525,13 @@ def main(argv: list[str] | None = None) -> int:
                                              weight_dtype="int8", compile_batch_sizes=(1,), max_num_seqs=1)
             if int8_compiled is not None:
                 runs["minipd, int8 weights, compile_decode"] = lambda: minipd_tpot(int8_compiled, prompt, new)
-        if llm.device.type == "cpu":  # bfloat16 (opt-in): half the bytes, where the CPU multiplies bf16 natively
-            from minipd.kernels.measured import cpu_description
-
-            if {"avx512_bf16", "amx_bf16"} & set(cpu_description()["features"]):
-                bf16 = LLM(args.model, dtype="bfloat16", compile_decode=False)
-                runs["minipd, bf16 (eager)"] = lambda: minipd_tpot(bf16, prompt, new)
-            else:
-                print("  minipd, bf16: not run (this CPU has no AVX512-BF16 or AMX)")
+        if llm.device.type == "cpu":  # bfloat16 (opt-in): half the weight and K/V bytes, widened to fp32 as read
+            bf16 = LLM(args.model, dtype="bfloat16", compile_decode=False)
+            runs["minipd, bf16 (eager)"] = lambda: minipd_tpot(bf16, prompt, new)
+            bf16_compiled = _compiled_or_why("minipd, bf16, compile_decode", LLM, args.model, dtype="bfloat16",
+                                             compile_batch_sizes=(1,), max_num_seqs=1)
+            if bf16_compiled is not None:
+                runs["minipd, bf16, compile_decode"] = lambda: minipd_tpot(bf16_compiled, prompt, new)
         runs["HF generate"] = lambda: hf_tpot(hf, prompt, new, pad)
         runs["HF static cache + torch.compile"] = lambda: hf_tpot(hf, prompt, new, pad, compiled=True)
         for run in tqdm(list(runs.values()), desc="warm-up (compiles)", leave=False):
@@ -558,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'TPOT minipd bf16 (eager) / minipd fp32 eager':<52} "
                   f"{mid['minipd, bf16 (eager)'] / mid['minipd, eager']:7.2f}x   "
                   "(its quality cost: python -m minipd kvquality --methods model-bf16)")
+        if "minipd, bf16, compile_decode" in mid:
+            print(f"  {'TPOT minipd bf16 compile_decode / minipd (fp32)':<52} "
+                  f"{mid['minipd, bf16, compile_decode'] / mid['minipd']:7.2f}x   [{_machine}]")
         if "minipd, int8 weights" in mid:
             print(_line("TPOT minipd int8 weights / HF generate", mid["minipd, int8 weights"] / hf_plain, 0.35,
                         "lower"))
