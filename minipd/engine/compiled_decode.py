@@ -103,10 +103,12 @@ def cpu_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                          scale: float, window: int) -> torch.Tensor:
     """:func:`decode_attention_with_new` through the C++ kernel, which reads each sequence's blocks up to its
     length only (so the table's width costs nothing). It is a dispatcher op (``torch.ops.minipd_cpu``): the
-    compiled graph calls it whole; the conversions here are traced into the graph."""
+    compiled graph calls it whole; the conversions here are traced into the graph. The new rows are rounded to
+    the pool's dtype first (an fp16 pool of an fp32 model), as storing them would, so the step attends to what an
+    eager step reads back."""
     return torch.ops.minipd_cpu.paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int64),
-                                             context_lens.to(torch.int64), scale, window, k_new.contiguous(),
-                                             v_new.contiguous())
+                                             context_lens.to(torch.int64), scale, window,
+                                             k_new.to(k_cache.dtype).contiguous(), v_new.to(v_cache.dtype).contiguous())
 
 
 class AdaptiveRows:

@@ -152,11 +152,9 @@ class EngineCore(StepCore):
         return True, "auto: a long-lived engine"
 
     def _compiled_attention_is_the_kernel(self) -> bool:
-        # (An adaptive pool's compressed rows are read by the torch attention: its programs are per table width.
-        # A pool of the model's own dtype only: the new rows the program passes are then what an eager step
-        # stores, where an fp16 pool of an fp32 model would round them first.)
-        return (self.kernels.name == "cpu" and self.kv_spec.dtype == self.dtype
-                and self.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        # (An adaptive pool's compressed rows are read by the torch attention: its programs are per table width.)
+        floats = (torch.float32, torch.bfloat16, torch.float16)
+        return (self.kernels.name == "cpu" and self.kv_spec.dtype in floats and self.dtype in floats
                 and self.kv_spec.quant is None and not self.kv_spec.latent and self.config.kv_cache_dtype != "adaptive")
 
     def _compile_decode(self, max_model_len: int) -> CompiledDecode:
@@ -174,9 +172,9 @@ class EngineCore(StepCore):
         from minipd.kernels.cpu_linear import TRACED_SUM_ROWS
 
         # (What it does not cover was refused or turned off by _choose_compile.)
-        # The C++ kernel reads per-head pools of the model's dtype, up to each length (no need to bucket the
-        # table's width); other pools (fp16 for an fp32 model), per-token codes and MLA's latents go through
-        # torch attention that gathers the whole (bucketed) width and casts or decodes what it gathers.
+        # The C++ kernel reads fp32, bf16 and fp16 per-head pools up to each length (no need to bucket the table's
+        # width); per-token codes and MLA's latents go through torch attention that gathers the whole (bucketed)
+        # width and decodes what it gathers.
         kernel = self._compiled_attention_is_the_kernel()
         attend = cpu_decode_attention if kernel else decode_attention_with_new
         # A compiled MoE step runs every expert on every row (StackedExperts.every_expert): it pays up to the
