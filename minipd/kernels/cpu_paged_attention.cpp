@@ -242,21 +242,7 @@ inline __m256 exp_approx8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// Eight entries of a K/V row as fp32: bf16 is the top half of an fp32 (widened by a shift), fp16 by F16C.
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const at::BFloat16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m256 widen8(const at::Half* p) {
-#ifdef __F16C__
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float wide[8];
-  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
-  return _mm256_load_ps(wide);
-#endif
-}
+using minipd_panels::widen8;  // (cpu_panel_linear.cpp: bf16/fp16 rows widened to fp32, eight at a time)
 
 inline float hmax8(__m256 x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -39,26 +39,28 @@ constexpr int64_t kBlockRows = 6;  // input rows per register block: 12 accumula
 constexpr int64_t kChunkBytes = 256 << 10;  // input rows taken together: what half an L2 cache holds
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Line k of a panel (16 weights) as two registers of fp32.
-inline void load_line(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
+// Eight weights (or K/V entries: the attention kernels use it too) as one register of fp32: bf16 is the top half
+// of an fp32, widened by a shift; fp16 by F16C.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
-// bf16 is the top half of an fp32: widened by a shift.
-inline void load_line(const at::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(w)), 16));
-  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1)), 16));
-}
-inline void load_line(const at::Half* p, __m256& lo, __m256& hi) {
+inline __m256 widen8(const at::Half* p) {
 #ifdef __F16C__
-  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  alignas(32) float wide[kPanel];
-  for (int64_t j = 0; j < kPanel; ++j) wide[j] = static_cast<float>(p[j]);
-  load_line(wide, lo, hi);
+  alignas(32) float wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(wide);
 #endif
+}
+
+// Line k of a panel (16 weights) as two registers of fp32.
+template <typename W>
+inline void load_line(const W* p, __m256& lo, __m256& hi) {
+  lo = widen8(p);
+  hi = widen8(p + 8);
 }
 
 // One output row of a panel: bias added, only the panel's real columns written (the last panel may be short).
