@@ -179,8 +179,8 @@ class PanelLinear(_RepackedLinear):
 
     fp32, bf16 or fp16 weights: the panels keep the weight's dtype and the kernel widens them to fp32 as it
     loads them (inputs, products and sums in fp32, the result rounded once to the input's dtype). A bf16 or
-    fp16 linear hands batches of :func:`narrow_matmul_rows` rows and more to torch's own product where
-    that was measured faster (bf16 arithmetic in the CPU).
+    fp16 linear hands batches of ``matmul_rows`` rows and more to torch's own product (:func:`pack_panel_linears`
+    passes :func:`narrow_matmul_rows`, where that was measured faster: bf16 arithmetic in the CPU).
 
     The kernel multiplies up to six rows by a panel in registers, reading the weight once per six rows, in
     order: one decode row streams it at memory speed, a batch runs at the FMA units' rate. On the 2-core AVX2
@@ -192,12 +192,12 @@ class PanelLinear(_RepackedLinear):
 
     dtypes = PANEL_DTYPES
 
-    def __init__(self, linear: nn.Linear, module: object) -> None:
+    def __init__(self, linear: nn.Linear, module: object, matmul_rows: int | None = None) -> None:
         super().__init__(linear)
         # The extension's functions, not the module: a module object would not survive a deepcopy of the model.
         self._pack, self._multiply = module.pack_panels, module.panel_linear  # type: ignore[attr-defined]
-        #: Rows from which a bf16/fp16 linear multiplies through F.linear instead (None: never).
-        self.matmul_rows = None if linear.weight.dtype == torch.float32 else narrow_matmul_rows(linear.weight.dtype)
+        #: Rows from which a bf16/fp16 linear multiplies through F.linear instead (None: never; fp32: ignored).
+        self.matmul_rows = None if linear.weight.dtype == torch.float32 else matmul_rows
         self.repack()
 
     def repack(self) -> None:
@@ -228,7 +228,10 @@ def pack_panel_linears(model: nn.Module) -> int:
     if module is None:
         raise ValueError("linear_backend='cpu' needs minipd's C++ CPU kernels: run `python -m minipd build-kernels` "
                          "(a C++ compiler and ninja), or use linear_backend='onednn' or 'torch'")
-    return _swap_linears(model, lambda linear: PanelLinear(linear, module), PANEL_DTYPES)
+    # (The measured hand-over to torch's product, read once per dtype, not once per layer.)
+    handover = {dtype: narrow_matmul_rows(dtype) for dtype in PANEL_DTYPES if dtype != torch.float32}
+    return _swap_linears(model, lambda linear: PanelLinear(linear, module, handover.get(linear.weight.dtype)),
+                         PANEL_DTYPES)
 
 
 def traced_sum_rows(weight_bytes: int, cache_bytes: int | None) -> int:
