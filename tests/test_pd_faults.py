@@ -162,3 +162,28 @@ def test_a_shut_down_front_end_refuses_work_clearly():
     for call in (lambda: pd.stream("x"), lambda: pd.generate("x"), lambda: pd.add_request("x")):
         with pytest.raises(RuntimeError, match="shut down"):
             call()
+
+
+@needs_nixl
+def test_a_release_that_finds_its_worker_gone_does_not_end_the_run(llm, monkeypatch):
+    # A worker killed a moment before a release (of a reservation, of held K/V) reaches it: the send fails. Its
+    # death is the pump's to notice and recover; the release itself is moot (a dead worker keeps nothing). Here
+    # every release fails as if its worker had just died, and the run still gives the colocated engine's tokens.
+    from minipd.pd.processes import WorkerError
+
+    prompts, params = mixed(llm, 8)
+    expected = tokens(llm.generate(prompts, params))
+    with DisaggregatedLLM("tiny-py", kv_transfer="pull", start_timeout=120) as pd:
+        cluster = pd.engine.core
+        send = cluster.workers.send
+        failed: list[str] = []
+
+        def send_or_fail(worker, message):
+            if type(message).__name__ in ("ReleaseReservation", "ReleaseKV"):
+                failed.append(type(message).__name__)
+                raise WorkerError(f"worker {worker.name} is gone")
+            return send(worker, message)
+
+        monkeypatch.setattr(cluster.workers, "send", send_or_fail)
+        assert tokens(pd.generate(prompts, params)) == expected
+        assert failed  # releases were sent, and failed
