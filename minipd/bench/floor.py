@@ -10,7 +10,6 @@ matrix products.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 
 from minipd.config import ModelConfig
 from minipd.engine.stats import StepStats
+from minipd.kernels.measured import best_seconds
 from minipd.sim.costs import step_cost
 
 
@@ -46,16 +46,6 @@ class Floor:
         return Floor(paths, max(self.bf16_flops, other.bf16_flops), max(self.bandwidth, other.bandwidth), self.threads)
 
 
-def _best_seconds(fn, repeat: int) -> float:
-    fn()  # warm-up (and, for oneDNN, its primitive cache)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measure_floor(size: int = 1024, copy_bytes: int = 256 * 2**20, repeat: int = 5) -> Floor:
     """Time ``size``³ matmuls (fp32 through torch, oneDNN and minipd's panel kernel where they exist; bf16) and a
     ``copy_bytes`` copy on this CPU."""
@@ -71,13 +61,13 @@ def measure_floor(size: int = 1024, copy_bytes: int = 256 * 2**20, repeat: int =
     if module is not None:  # the engine's own kernel counts too: a share of the peak must not pass 100%
         panels = module.pack_panels(b.t().contiguous())
         paths["minipd"] = lambda: module.panel_linear(a, panels, None, size)
-    fp32 = {name: flops / _best_seconds(fn, repeat) for name, fn in paths.items()}
+    fp32 = {name: flops / best_seconds(fn, repeat) for name, fn in paths.items()}
     a16, b16 = a.bfloat16(), b.bfloat16()
-    bf16 = flops / _best_seconds(lambda: torch.mm(a16, b16), repeat)
+    bf16 = flops / best_seconds(lambda: torch.mm(a16, b16), repeat)
     src = torch.empty(copy_bytes // 4)
     src.fill_(1.0)
     dst = torch.empty_like(src)
-    bandwidth = 2 * copy_bytes / _best_seconds(lambda: dst.copy_(src), repeat)
+    bandwidth = 2 * copy_bytes / best_seconds(lambda: dst.copy_(src), repeat)
     return Floor(fp32, bf16, bandwidth, torch.get_num_threads())
 
 

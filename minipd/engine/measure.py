@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from minipd.kernels.measured import MARGIN, TIE, cpu_description
+from minipd.kernels.measured import MARGIN, TIE, best_seconds, cpu_description
 
 
 def _step_times(core: Any, batch: int, prompt_len: int, rounds_tag: str) -> tuple[float, float]:
@@ -125,16 +125,6 @@ NARROW_SHAPE = (2048, 2048)
 NARROW_MATRICES = 8
 
 
-def _best_of(fn: Any, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16), rounds: int = 3,
                                rows: tuple[int, ...] = NARROW_ROWS) -> dict[str, Any]:
     """For bf16 and fp16 weights: from how many rows torch's own product (``F.linear``; oneDNN with the CPU's bf16
@@ -171,8 +161,8 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16
                     F.linear(x, w)
 
             for _ in range(rounds):  # interleaved
-                panel.append(_best_of(through_panels, 1))
-                plain.append(_best_of(through_torch, 1))
+                panel.append(best_seconds(through_panels, 1))
+                plain.append(best_seconds(through_torch, 1))
             ratios[name][count] = round(statistics.median(plain) / statistics.median(panel), 3)
         faster = [count for count in rows if all(ratios[name][c] < MARGIN for c in rows if c >= count)]
         choice[name] = min(faster) if faster else None

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,18 @@ def measured_choice(name: str, threads: int | None = None) -> Any:
     return None if record is None else record.get("choice")
 
 
+def best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """The shortest of ``repeat`` timed calls of ``fn``, after one untimed call (a warm-up: caches, oneDNN's
+    primitive cache)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -> Path:
     """Keep ``record`` (with its ``choice``) for ``name`` on this machine; returns the file (written atomically)."""
     data = _read()
@@ -122,5 +136,5 @@ def save_choice(name: str, record: dict[str, Any], threads: int | None = None) -
     return path
 
 
-__all__ = ["FEATURES", "MARGIN", "TIE", "choices_file", "cpu_description", "last_level_cache_bytes", "machine_key",
-           "measured_choice", "measured_record", "read_json", "save_choice", "write_json"]
+__all__ = ["FEATURES", "MARGIN", "TIE", "best_seconds", "choices_file", "cpu_description", "last_level_cache_bytes",
+           "machine_key", "measured_choice", "measured_record", "read_json", "save_choice", "write_json"]
