@@ -10,6 +10,7 @@
 - the cluster simulator of chapter 05b: :mod:`~minipd.sim.instance` (an instance running the engine's own
   scheduler on a step-time model and a simulated clock), :mod:`~minipd.sim.cluster` (arrivals, router,
   colocated or prefill/decode instances, the KV link, on simpy), :mod:`~minipd.sim.fitted` (step times
-  fitted to a real run), :mod:`~minipd.sim.search` (goodput, placements), :mod:`~minipd.sim.validate`
+  fitted to a real run), :mod:`~minipd.sim.search` (goodput, placements), :mod:`~minipd.sim.calibrate` (the
+  roofline fitted to a paper's published goodputs), :mod:`~minipd.sim.validate`
   (real runs beside simulated ones) and :mod:`~minipd.sim.cli` (``python -m minipd simulate``).
 """

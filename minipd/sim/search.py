@@ -30,7 +30,13 @@ from minipd.serve.workload import PlannedRequest, synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.costs import DeviceSpec, kv_bytes_per_token
 from minipd.sim.instance import InstanceConfig
-from minipd.sim.roofline import Link, RooflineStepTime
+from minipd.sim.roofline import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_MEMORY_EFFICIENCY,
+    DEFAULT_STEP_OVERHEAD_S,
+    Link,
+    RooflineStepTime,
+)
 
 
 def find_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, start: float = 1.0,
@@ -121,9 +127,16 @@ class GpuCluster:
     max_num_seqs: int = 256
     colocated_policy: str = "decode-first"
     layerwise: bool = False
+    #: The roofline's efficiencies and per-step overhead (see :class:`~minipd.sim.roofline.RooflineStepTime`);
+    #: :func:`minipd.sim.calibrate.calibrate` fits the first two to an engine's published figures.
+    compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
 
     def step_model(self, tp: int) -> RooflineStepTime:
-        return RooflineStepTime(self.model, self.device, tp=tp, dtype_bytes=self.dtype_bytes)
+        return RooflineStepTime(self.model, self.device, tp=tp, dtype_bytes=self.dtype_bytes,
+                                compute_efficiency=self.compute_efficiency,
+                                memory_efficiency=self.memory_efficiency, step_overhead_s=self.step_overhead_s)
 
     def config(self, tp: int, role: str) -> InstanceConfig:
         tokens = self.step_model(tp).kv_capacity_tokens(self.device.memory_bytes)
