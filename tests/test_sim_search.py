@@ -120,3 +120,32 @@ def test_the_command_line_runs_a_placement_and_writes_json(tmp_path, capsys):
 
     report = json.loads(out.read_text())
     assert report["placement"] == "1P+1D" and report["summary"]["completed"] == 40
+
+
+def test_the_command_line_takes_efficiencies_refuses_bad_ones_and_uses_the_a100s_own_nvlink(tmp_path, capsys):
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    common = ["--model", "opt-13b", "--gpu", "a100", "--placement", "1P+1D", "--rate", "2", "--num-requests", "30"]
+    assert simulate_main([*common, "--json", str(fast)]) == 0
+    assert simulate_main([*common, "--compute-efficiency", "0.2", "--memory-efficiency", "0.3",
+                          "--step-overhead-ms", "5", "--json", str(slow)]) == 0
+    import json
+
+    fast_report, slow_report = json.loads(fast.read_text()), json.loads(slow.read_text())
+    assert fast_report["link"] == "NVLink 3" and slow_report["compute_efficiency"] == 0.2
+    assert slow_report["summary"]["median_tpot_ms"] > 2 * fast_report["summary"]["median_tpot_ms"]
+    with pytest.raises(ValueError, match="efficiencies must be in"):
+        simulate_main([*common, "--memory-efficiency", "1.5"])
+
+
+def test_the_command_line_calibrates_to_a_paper_before_it_runs(tmp_path, capsys):
+    out = tmp_path / "calibrated.json"
+    assert simulate_main(["--model", "llama-3-8b", "--gpu", "h100", "--calibrate", "distserve-figure1",
+                          "--placement", "1C", "--rate", "2", "--num-requests", "20", "--json", str(out)]) == 0
+    assert "published 1.6 req/s" in capsys.readouterr().out
+    import json
+
+    report = json.loads(out.read_text())
+    fitted = report["calibration"]
+    assert report["compute_efficiency"] == fitted["compute_efficiency"] < 0.6
+    assert [row["figure"] for row in fitted["rows"]][:2] == ["prefill only (fitted)", "decode only (fitted)"]
+    assert fitted["rows"][0]["simulated"] == pytest.approx(5.6, rel=0.05)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from minipd.serve.loadgen import Slo
 from minipd.sim.cluster import ClusterSpec, simulate
+from minipd.sim.costs import A100_80GB, DeviceSpec, preset
 from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput
 
 
@@ -36,6 +37,9 @@ class PublishedFigures:
     fit a step model to, two with both phases to check it against."""
 
     source: str
+    #: The model (a :data:`~minipd.sim.costs.MODEL_PRESETS` name) and device the figures were measured on.
+    model: str
+    device: DeviceSpec
     prompt_len: int
     output_len: int
     ttft_slo_ms: float
@@ -55,7 +59,7 @@ class PublishedFigures:
 #: tokens, Poisson arrivals, P90 TTFT 0.4 s and P90 TPOT 0.04 s.
 DISTSERVE_FIGURE_1 = PublishedFigures(
     source="DistServe (OSDI'24) Figure 1: a 13B model on one A100 80GB, 512 in / 64 out",
-    prompt_len=512, output_len=64, ttft_slo_ms=400.0, tpot_slo_ms=40.0,
+    model="opt-13b", device=A100_80GB, prompt_len=512, output_len=64, ttft_slo_ms=400.0, tpot_slo_ms=40.0,
     prefill_only=5.6, decode_only=10.0, colocated=1.6, split=(2, 1), split_per_device=3.3)
 
 
@@ -141,8 +145,10 @@ def _bisect(meets_at: Callable[[float], bool], low: float = 0.02, high: float = 
 def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_1, num_requests: int = 200,
               duration_s: float = 30.0, rel_tol: float = 0.02, iterations: int = 10, rounds: int = 2,
               seed: int = 0, progress: bool = False) -> Calibration:
-    """``cluster`` with its compute and memory efficiencies fitted so that one device's simulated prefill-only
-    and decode-only goodputs match ``figures``, and the colocated and split goodputs the fit then gives.
+    """``cluster`` on ``figures``' model and device, its compute and memory efficiencies fitted so that one
+    device's simulated prefill-only and decode-only goodputs match ``figures``, and the colocated and split
+    goodputs the fit then gives. ``cluster``'s scheduling, limits and link are kept; to run another model or
+    device as efficiently, copy the two efficiencies onto its cluster.
 
     Runs ``rounds × 2`` bisections of ``iterations`` steps, each step one simulation at the published rate
     (``num_requests`` requests or ``duration_s`` seconds of arrivals, whichever is more), then a goodput
@@ -152,6 +158,7 @@ def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_
     if rounds < 1 or iterations < 1:
         raise ValueError(f"rounds and iterations must be >= 1, got {rounds} and {iterations}")
     shape = WorkloadShape(figures.prompt_len, figures.output_len, num_requests, seed=seed, duration_s=duration_s)
+    cluster = dataclasses.replace(cluster, model=preset(figures.model), device=figures.device)
     steps = range(rounds)
     if progress:
         from tqdm.auto import tqdm

@@ -4,11 +4,18 @@ goodput, or the best placement for a number of devices.
     python -m minipd simulate --model llama-3-8b --gpu h100 --placement 1P+1D --rate 8
     python -m minipd simulate --model opt-13b --gpu a100 --placement 2C --goodput --ttft-slo-ms 250 --tpot-slo-ms 100
     python -m minipd simulate --model opt-13b --gpu a100 --search 4 --json placements.json
+    python -m minipd simulate --model opt-13b --gpu a100 --calibrate distserve-figure1 --search 4 \
+        --prompt-lens 2:1600 --output-lens lognormal:220:1.55:1085 --ttft-slo-ms 250 --tpot-slo-ms 100
+
+The roofline runs at 60% of the GPU's peak FLOP/s and 80% of its memory bandwidth, 1 ms of overhead a step
+(``--compute-efficiency``, ``--memory-efficiency``, ``--step-overhead-ms``); ``--calibrate`` fits the first two
+to a paper's published figures first (:mod:`minipd.sim.calibrate`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -19,13 +26,23 @@ from typing import Any
 from minipd.engine.scheduler import POLICIES
 from minipd.serve.loadgen import Slo, format_summary
 from minipd.serve.workload import synthetic_workload, trace_workload
+from minipd.sim.calibrate import DISTSERVE_FIGURE_1, calibrate
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, H200, preset
-from minipd.sim.roofline import IB_400G, NVLINK4, PCIE5_X16
+from minipd.sim.roofline import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DEFAULT_LINKS,
+    DEFAULT_MEMORY_EFFICIENCY,
+    DEFAULT_STEP_OVERHEAD_S,
+    IB_400G,
+    NVLINK4,
+    PCIE5_X16,
+)
 from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput, placements, search_placements
 
 GPUS = {"a100": A100_80GB, "h100": H100_SXM, "h200": H200}
 LINKS = {"nvlink": NVLINK4, "pcie": PCIE5_X16, "ib": IB_400G}
+CALIBRATIONS = {"distserve-figure1": DISTSERVE_FIGURE_1}
 _PART = re.compile(r"^(\d+)([CPD])(?:\(tp(\d+)\))?$")
 
 
@@ -62,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests of a single run; at least this many in each run of --goodput or --search")
     parser.add_argument("--duration", type=float, default=30.0,
                         help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default 30)")
-    parser.add_argument("--prompt-lens", default="256:1024", help="N or LOW:HIGH (default 256:1024)")
-    parser.add_argument("--output-lens", default="64:256", help="N or LOW:HIGH (default 64:256)")
+    lengths = "N, LOW:HIGH (uniform), normal:MEAN:STD[:MAX] or lognormal:MEAN:SIGMA[:MAX]"
+    parser.add_argument("--prompt-lens", default="256:1024", help=f"{lengths} (default 256:1024)")
+    parser.add_argument("--output-lens", default="64:256", help=f"{lengths} (default 64:256)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     parser.add_argument("--trace", default=None, help="JSONL of arrival, prompt_len, output_len (instead of "
                                                       "--rate and the lengths)")
@@ -74,28 +92,53 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=int, default=2048, help="colocated token budget per step (default 2048)")
     parser.add_argument("--policy", choices=tuple(POLICIES), default="decode-first",
                         help="colocated scheduling (default decode-first)")
+    parser.add_argument("--compute-efficiency", type=float, default=DEFAULT_COMPUTE_EFFICIENCY,
+                        help=f"share of the GPU's peak FLOP/s a step reaches (default {DEFAULT_COMPUTE_EFFICIENCY:g})")
+    parser.add_argument("--memory-efficiency", type=float, default=DEFAULT_MEMORY_EFFICIENCY,
+                        help=f"share of its memory bandwidth (default {DEFAULT_MEMORY_EFFICIENCY:g})")
+    parser.add_argument("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
+                        help=f"fixed time a step (default {DEFAULT_STEP_OVERHEAD_S * 1e3:g})")
+    parser.add_argument("--calibrate", choices=sorted(CALIBRATIONS), default=None,
+                        help="first fit the two efficiencies to a paper's single-phase figures (see "
+                             "minipd.sim.calibrate; distserve-figure1: a 13B model on one A100)")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cluster = GpuCluster(preset(args.model), GPUS[args.gpu], LINKS[args.link], layerwise=args.layerwise,
-                         colocated_batched_tokens=args.chunk, colocated_policy=args.policy)
-    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
-    shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed,
-                          args.duration)
-    report: dict[str, Any] = {"model": args.model, "gpu": GPUS[args.gpu].name, "link": LINKS[args.link].name,
-                              "layerwise": args.layerwise, "slo": vars(slo)}
+    device = GPUS[args.gpu]
+    # "nvlink" is the device's own generation: NVLink 3 between A100s.
+    link = DEFAULT_LINKS.get(device.name, NVLINK4) if args.link == "nvlink" else LINKS[args.link]
+    cluster = GpuCluster(preset(args.model), device, link, layerwise=args.layerwise,
+                         colocated_batched_tokens=args.chunk, colocated_policy=args.policy,
+                         compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
+                         step_overhead_s=args.step_overhead_ms / 1e3)
+    cluster.step_model(1)  # refuses efficiencies outside (0, 1] and a negative overhead before any work
     needs_slo = args.goodput or args.search is not None
     if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
         raise ValueError("--goodput and --search need --ttft-slo-ms and/or --tpot-slo-ms")
+    report: dict[str, Any] = {}
+    if args.calibrate:
+        fit = calibrate(cluster, CALIBRATIONS[args.calibrate], progress=True)
+        print(fit.describe())
+        cluster = dataclasses.replace(cluster, compute_efficiency=fit.cluster.compute_efficiency,
+                                      memory_efficiency=fit.cluster.memory_efficiency)
+        report["calibration"] = {"figures": args.calibrate, "compute_efficiency": cluster.compute_efficiency,
+                                 "memory_efficiency": cluster.memory_efficiency,
+                                 "rows": [{"figure": n, "published": p, "simulated": s} for n, p, s in fit.rows()]}
+    slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed,
+                          args.duration)
+    report.update({"model": args.model, "gpu": device.name, "link": link.name, "layerwise": args.layerwise,
+                   "slo": vars(slo), "compute_efficiency": cluster.compute_efficiency,
+                   "memory_efficiency": cluster.memory_efficiency, "step_overhead_s": cluster.step_overhead_s})
     if args.search is not None:
         started = time.perf_counter()
         ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, verify=1,
                                    progress=True)
         print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        print(f"{args.model} on {args.search} x {GPUS[args.gpu].name}, link {LINKS[args.link].name}: "
+        print(f"{args.model} on {args.search} x {device.name}, link {link.name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
         for result in ranked:
             check = "" if result.verified is None else f"   (whole placement at that rate: {result.verified:.0%} met)"
