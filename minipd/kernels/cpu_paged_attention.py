@@ -66,10 +66,10 @@ _LDFLAGS = ("-fopenmp",)
 NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
 
 #: The C++ sources (beside this file, so that they read as C++), compiled together by load_inline into one
-#: extension: the panel linears of :mod:`minipd.kernels.cpu_linear` (first: they define what both use) and the
-#: attention kernels.
+#: extension: the panel linears of :mod:`minipd.kernels.cpu_linear` (first: they define what both use), the
+#: attention kernels, and SwiGLU's fused activation (last: it uses the attention's exp).
 _SOURCE = "\n" + "\n".join((Path(__file__).parent / name).read_text()
-                            for name in ("cpu_panel_linear.cpp", "cpu_paged_attention.cpp"))
+                            for name in ("cpu_panel_linear.cpp", "cpu_paged_attention.cpp", "cpu_swiglu.cpp"))
 
 
 @functools.cache
@@ -151,7 +151,8 @@ def load_kernel() -> tuple[object | None, str | None]:
             from torch.utils.cpp_extension import load_inline
 
             module = load_inline(extension_name(), cpp_sources=[_SOURCE],
-                                 functions=["paged_decode", "paged_prefill", "pack_panels", "panel_linear"],
+                                 functions=["paged_decode", "paged_prefill", "pack_panels", "panel_linear",
+                                            "silu_mul"],
                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
         # Their shape rules, for tracing: decode's output is shaped like the queries; a linear's is (rows, features).
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,11 @@ from torch import nn
 
 class SwiGLU(nn.Module):
     """The gated MLP of Llama-family models; ``gate`` and ``up`` run as one matmul."""
+
+    #: ``silu(gate) * up`` in one pass over the fused projection's (rows, 2 × intermediate) output, or None for
+    #: torch's ops. The engine sets minipd's C++ kernel where it runs them (fp32 on a CPU); compiled code keeps
+    #: torch's ops, which the compiler fuses itself.
+    fused_silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -18,5 +25,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = self.fused_silu_mul
+        if fused is not None and gate_up.dtype == torch.float32 and not torch.compiler.is_compiling():
+            rows = fused(gate_up.reshape(-1, gate_up.shape[-1]).contiguous())
+            return self.down_proj(rows.view(*gate_up.shape[:-1], self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
