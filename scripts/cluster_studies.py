@@ -7,9 +7,9 @@ each live and checks it against the file).
    lengths fitted to the ShareGPT runs DistServe released: goodput per GPU of every placement of 4 GPUs (tensor
    parallel 1 or 2), colocated with chunked prefill (decode-first, 2048-token budget), colocated as vLLM
    scheduled in 2023, the baseline DistServe measured against (prefill-only: a step is all prefill or all
-   decode; vLLM's default budget of 2,560 tokens), and disaggregated; on the default roofline and on the one
-   fitted to Figure 1. ``released``: the runs DistServe released (vLLM on one GPU, DistServe on 1P(tp2)+1D),
-   rate by rate, beside the same placements simulated on both rooflines.
+   decode; vLLM's default budget of 2,560 tokens), and disaggregated; on three rooflines (:func:`engines`: the
+   default, the one fitted to Figure 1, and one as fast as the runs DistServe released). ``released``: those runs
+   (vLLM on one GPU, DistServe on 1P(tp2)+1D), rate by rate, beside the same placements simulated on the three.
 2. ``grid``: Llama-3-8B on H100s (4 GPUs, 400G links), prompt lengths × output lengths × TPOT SLO: the best
    colocated and the best disaggregated placement and their goodput per GPU.
 3. ``claims``: Llama-3-70B on 8 H100s, two tensor-parallel-4 instances colocated against one prefill and one
