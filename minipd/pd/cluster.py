@@ -132,13 +132,13 @@ class ClusterCore:
             if worker is not None:
                 worker.requests.discard(rid)
                 if worker.alive:
-                    self._release(worker, m.Abort([rid], reason))
+                    self._send_unless_dead(worker, m.Abort([rid], reason))
             dest = self.workers.workers.get(flight.dest)
             if dest is not None:
                 dest.requests.discard(rid)
                 if dest.alive and dest is not worker:
                     # Writes into its reservation may be under way: it is freed once they are over.
-                    self._release(dest, m.ReleaseReservation(rid, flight.phase is not Phase.RESERVING))
+                    self._send_unless_dead(dest, m.ReleaseReservation(rid, flight.phase is not Phase.RESERVING))
             flight.parked = None
             outputs.append(EngineCoreOutput(rid, [], reason))
         return outputs
@@ -217,7 +217,7 @@ class ClusterCore:
         if blocks is None or not workers:  # no room after all (or no prefill worker): wait, or go on without
             flight.dest = ""
             if blocks is not None:
-                self._release(dest, m.ReleaseReservation(flight.request.request_id, False))
+                self._send_unless_dead(dest, m.ReleaseReservation(flight.request.request_id, False))
             if not workers:
                 return self._to_decode(flight, recompute=True)
             self._hold_back(flight, first=True)
@@ -304,7 +304,7 @@ class ClusterCore:
             flight = self._flights.get(message.request_id)
             if flight is None or flight.phase is not Phase.RESERVING:
                 if message.blocks is not None:
-                    self._release(worker, m.ReleaseReservation(message.request_id, False))
+                    self._send_unless_dead(worker, m.ReleaseReservation(message.request_id, False))
             else:
                 self._on_reserved(flight, message.blocks)
         elif isinstance(message, m.KVLoaded):
@@ -322,7 +322,7 @@ class ClusterCore:
                     self.num_recovered_requests += 1
                     dest = self.workers.workers.get(flight.dest)
                     if dest is not None and dest.alive:
-                        self._release(dest, m.ReleaseReservation(flight.request.request_id, True))
+                        self._send_unless_dead(dest, m.ReleaseReservation(flight.request.request_id, True))
                     flight.dest = ""
                     self._to_decode(flight, recompute=True)
         elif isinstance(message, m.Notice):
@@ -357,7 +357,7 @@ class ClusterCore:
         flight = self._flights.get(out.request_id)
         if flight is None or flight.worker != worker.name:
             if held is not None:  # nobody will read these blocks any more
-                self._release(worker, m.ReleaseKV(out.request_id))
+                self._send_unless_dead(worker, m.ReleaseKV(out.request_id))
             return
         if flight.phase is Phase.PREFILL and worker.role == "prefill" and out.finish_reason is FinishReason.LENGTH \
                 and self._continues(flight, out):
@@ -374,7 +374,7 @@ class ClusterCore:
         if flight.phase is Phase.PREFILL:
             self._let_go(flight, worker, held)
         elif held is not None:
-            self._release(worker, m.ReleaseKV(out.request_id))
+            self._send_unless_dead(worker, m.ReleaseKV(out.request_id))
         out = dataclasses.replace(out, num_prefill_tokens=out.num_prefill_tokens + flight.prefill_tokens,
                                   num_cached_tokens=out.num_cached_tokens + flight.cached_tokens)
         prefill_worker = self.workers.workers.get(flight.route.get("prefill_worker") or "")
@@ -404,15 +404,12 @@ class ClusterCore:
         request = dataclasses.replace(flight.request, all_token_ids=[*prompt, *flight.tokens], hold_kv=False,
                                       num_external_tokens=len(prompt))
         self._assign(flight, dest, Phase.DECODE)
-        try:
-            self.workers.send(dest, m.Adopt(request))
-        except WorkerError:  # it died since: the request is its now, so the pump's check for deaths recovers it
-            pass
+        self._send_unless_dead(dest, m.Adopt(request))  # the request is its now: a death since is recovered
 
-    def _release(self, worker: Worker, message: m.ReleaseReservation | m.ReleaseKV | m.Abort) -> None:
-        """Tell ``worker`` to free (or stop) what it keeps for a request. A worker that died since keeps nothing any
-        more, and the pump's check for deaths recovers its requests: its send failing is not this step's error (a
-        release sent to a decode worker killed a moment before once ended a whole run with WorkerError)."""
+    def _send_unless_dead(self, worker: Worker, message: m.Message) -> None:
+        """Send ``message`` to ``worker``, which may have died since it was last seen alive. A dead worker keeps
+        nothing more and the pump's check for deaths recovers its requests, so its send failing is not this step's
+        error (a release sent to a decode worker killed a moment before once ended a whole run with WorkerError)."""
         try:
             self.workers.send(worker, message)
         except WorkerError:
@@ -421,12 +418,12 @@ class ClusterCore:
     def _let_go(self, flight: Flight, worker: Worker, held: list[int] | None) -> None:
         """A request ended at its first token: free what was kept for its decode."""
         if held is not None:
-            self._release(worker, m.ReleaseKV(flight.request.request_id))
+            self._send_unless_dead(worker, m.ReleaseKV(flight.request.request_id))
         dest = self.workers.workers.get(flight.dest)
         if dest is not None and dest.alive:
             # Its K/V may still be on their way into the reservation: the decode worker frees it once
             # the prefill worker says its writes are over.
-            self._release(dest, m.ReleaseReservation(flight.request.request_id, True))
+            self._send_unless_dead(dest, m.ReleaseReservation(flight.request.request_id, True))
         flight.dest = ""
 
     def _continues(self, flight: Flight, out: EngineCoreOutput) -> bool:
@@ -459,7 +456,7 @@ class ClusterCore:
             dest = self.workers.workers.get(flight.dest)
             if flight.dest != worker.name and dest is not None and dest.alive:
                 # Its prefill worker died: the decode worker's reservation will never be filled.
-                self._release(dest, m.ReleaseReservation(flight.request.request_id, False))
+                self._send_unless_dead(dest, m.ReleaseReservation(flight.request.request_id, False))
             flight.dest, flight.kv_done = "", True
             if flight.phase in (Phase.PREFILL, Phase.RESERVING):
                 self._to_prefill(flight)
