@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from minipd.serve.loadgen import Slo
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.costs import A100_80GB, DeviceSpec, preset
-from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput
+from minipd.sim.search import GpuCluster, WorkloadShape, placement_goodput
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,7 @@ class Calibration:
 
 
 def _goodput(spec: ClusterSpec, shape: WorkloadShape, slo: Slo, start: float, rel_tol: float) -> float:
-    return find_goodput(lambda rate: simulate(spec, shape.at(rate), until_verdict=(slo, 0.9)).results(), slo,
-                        start=start, rel_tol=rel_tol)[0]
+    return placement_goodput(spec, shape, slo, start=start, rel_tol=rel_tol)[0]
 
 
 def _meets(spec: ClusterSpec, shape: WorkloadShape, slo: Slo, rate: float) -> bool:

@@ -38,7 +38,7 @@ from minipd.sim.roofline import (
     NVLINK4,
     PCIE5_X16,
 )
-from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput, placements, search_placements
+from minipd.sim.search import GpuCluster, WorkloadShape, placement_goodput, placements, search_placements
 
 GPUS = {"a100": A100_80GB, "h100": H100_SXM, "h200": H200}
 LINKS = {"nvlink": NVLINK4, "pcie": PCIE5_X16, "ib": IB_400G}
@@ -149,9 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         spec = parse_placement(args.placement, cluster)
         if args.goodput:
-            rate, tried = find_goodput(lambda r: simulate(spec, shape.at(r), until_verdict=(slo, args.attainment)
-                                                          ).results(), slo, start=args.rate,
-                                       attainment=args.attainment)
+            rate, tried = placement_goodput(spec, shape, slo, start=args.rate, attainment=args.attainment)
             print(f"{spec.describe()}: goodput {rate:.2f} req/s ({rate / spec.devices:.2f} per device)")
             report.update(placement=spec.describe(), goodput=rate, tried=tried)
         else:

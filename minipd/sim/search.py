@@ -90,6 +90,14 @@ class WorkloadShape:
         return synthetic_workload(count, rate, self.prompt_lens, self.output_lens, self.burstiness, self.seed)
 
 
+def placement_goodput(spec: ClusterSpec, workload: WorkloadShape, slo: Slo, start: float = 1.0,
+                      attainment: float = 0.9, rel_tol: float = 0.03) -> tuple[float, list[tuple[float, float]]]:
+    """:func:`find_goodput` of one placement, simulated on ``workload`` (each run stopping once its verdict is
+    certain)."""
+    return find_goodput(lambda rate: simulate(spec, workload.at(rate), until_verdict=(slo, attainment)).results(),
+                        slo, start=start, attainment=attainment, rel_tol=rel_tol)
+
+
 @dataclass
 class PlacementResult:
     """One placement's goodput."""
@@ -209,9 +217,8 @@ def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo
         key = unit.describe()
         if key not in units:
             # Each search starts near the last goodput per device found: fewer doublings.
-            units[key] = find_goodput(lambda r, u=unit: simulate(u, workload.at(r),
-                                                                   until_verdict=(slo, attainment)).results(),
-                                      slo, start=per_device * unit.devices, attainment=attainment, rel_tol=rel_tol)
+            units[key] = placement_goodput(unit, workload, slo, start=per_device * unit.devices,
+                                           attainment=attainment, rel_tol=rel_tol)
             if units[key][0] > 0:
                 per_device = units[key][0] / unit.devices
         rate, tried = units[key]
@@ -223,5 +230,5 @@ def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo
     return ranked
 
 
-__all__ = ["GpuCluster", "PlacementResult", "WorkloadShape", "find_goodput", "placements", "search_placements",
-           "unit_of"]
+__all__ = ["GpuCluster", "PlacementResult", "WorkloadShape", "find_goodput", "placement_goodput", "placements",
+           "search_placements", "unit_of"]
