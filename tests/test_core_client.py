@@ -3,10 +3,13 @@ and what a client sees when the core process is killed or does not answer in tim
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import assert_child_exits_with_its_parent
@@ -185,16 +188,40 @@ def test_a_lost_message_is_a_timeout_and_the_client_keeps_working(llm):
     assert got["r2"] == in_process_reference(llm)["r2"]
 
 
-def test_the_core_process_exits_when_its_parent_is_killed(tmp_path):
+def test_the_core_process_exits_when_its_parent_is_killed_and_removes_the_sockets(tmp_path):
     script = tmp_path / "parent.py"
+    folder_file = tmp_path / "folder"
     script.write_text(
-        "import time\n"
+        "import pathlib, time\n"
         "from minipd.engine.core_client import CoreClient\n"
         "if __name__ == '__main__':  # the core process is spawned: it imports this file again\n"
         "    client = CoreClient.in_process('tiny-py', start_timeout=120)\n"
+        f"    pathlib.Path({str(folder_file)!r}).write_text(client.socket_folder)\n"
         "    print(client.process.pid, flush=True)\n"
         "    time.sleep(600)\n")
     assert_child_exits_with_its_parent(script, "the engine core process")
+    folder = folder_file.read_text()
+    assert folder and not os.path.exists(folder), f"{folder} left behind"
+
+
+def test_a_shut_down_or_dropped_client_leaves_no_socket_folder(tmp_path):
+    client = CoreClient.in_process("tiny-py", start_timeout=120)
+    folder = client.socket_folder
+    assert sorted(os.listdir(folder)) == ["in", "out"]
+    client.shutdown()
+    assert not os.path.exists(folder)
+    # Something else in the folder is not ours: the clean-up removes its sockets and leaves the rest.
+    client = CoreClient.in_process("tiny-py", start_timeout=120)
+    folder, process = client.socket_folder, client.process
+    (Path(folder) / "notes.txt").write_text("a user's file")
+    try:
+        del client  # dropped without a shutdown: the finalizer runs
+        gc.collect()
+        assert os.listdir(folder) == ["notes.txt"]
+    finally:
+        process.kill()
+        process.join(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize("where", ["thread", "process"])

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 from minipd.engine import core_messages as cm
@@ -162,8 +163,8 @@ class CoreClient:
         pull = context.socket(zmq.PULL)
         pull.bind(from_core)
         codec = Codec(new_key())
-        process = mp.get_context("spawn").Process(target=_serve_in_process, args=(str(model), llm_options, to_core,
-                                                                                   from_core, codec.key), daemon=True)
+        process = mp.get_context("spawn").Process(target=_serve_in_process, args=(str(model), llm_options, folder,
+                                                                                   codec.key), daemon=True)
         process.start()
 
         send, receive = _channel(push, pull, process.is_alive, codec)
@@ -175,15 +176,13 @@ class CoreClient:
                 process.join(timeout=10)
             push.close(linger=0)
             pull.close(linger=0)
-            for name in ("in", "out"):
-                try:
-                    os.unlink(os.path.join(folder, name))
-                except FileNotFoundError:
-                    pass
-            os.rmdir(folder)
+            remove_folder()
 
         client = cls(send, receive, process.is_alive, stop)
+        # Also at interpreter exit, or when the client is dropped without a shutdown.
+        remove_folder = weakref.finalize(client, _remove_socket_folder, folder)
         client.process = process
+        client.socket_folder = folder
         client.info = client._wait_ready(start_timeout)
         return client
 
@@ -293,15 +292,27 @@ def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, 
     return send, receive
 
 
-def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: str, key: bytes) -> None:
-    """Entry point of the spawned core process: load the model, build the core, serve until shutdown."""
+def _remove_socket_folder(folder: str) -> None:
+    """Remove the two IPC socket files of :meth:`CoreClient.in_process` and their folder; only those (a folder
+    holding anything else is left where it is)."""
+    for name in ("in", "out"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def _serve_in_process(model: str, llm_options: dict, folder: str, key: bytes) -> None:
+    """Entry point of the spawned core process: load the model, build the core, serve until shutdown.
+
+    ``folder`` holds the client's two sockets (``in``, ``out``)."""
     import zmq
 
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
-    pull.connect(to_core)
+    pull.connect(f"ipc://{folder}/in")
     push = context.socket(zmq.PUSH)
-    push.connect(from_core)
+    push.connect(f"ipc://{folder}/out")
 
     parent = os.getppid()
 
@@ -342,3 +353,5 @@ def _serve_in_process(model: str, llm_options: dict, to_core: str, from_core: st
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()
+        if not parent_alive():  # killed without a goodbye, the parent cannot remove its sockets any more
+            _remove_socket_folder(folder)
