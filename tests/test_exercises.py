@@ -3,6 +3,7 @@ and the seams they plug the reader's code into minipd with."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 import minipd.layers.sampler as sampler_module
-import minipd.models.decoder as decoder_module
 from minipd.exercises import ch01
 from minipd.exercises.checking import Case, CheckResult, check_tensor_fn, compare_tensors
+from minipd.kernels.backend import TORCH_BACKEND
 from minipd.layers.attention import attention
 from minipd.layers.rotary import apply_rotary
 
@@ -148,7 +149,7 @@ def test_engine_stage_of_rope_catches_the_layout_and_reports_logits() -> None:
     result = ch01._check_rope_in_engine("apply_rope_interleaved", rope_half_layout)
     assert result.status == "FAIL" and "logits: max |diff|" in result.message
     assert "interleaved layout" in result.message and result.first_mismatch == (1, 0)  # position 0: no rotation
-    assert decoder_module.apply_rotary is apply_rotary
+    assert TORCH_BACKEND.rotary is apply_rotary
 
 
 def test_engine_stage_of_the_mask_catches_an_off_by_one() -> None:
@@ -173,17 +174,19 @@ def test_an_exception_in_the_engine_is_a_fail_and_everything_is_put_back() -> No
     result = ch01._check_rope_in_engine("apply_rope_interleaved", rope_for_head_dim_16_only)
     assert result.status == "FAIL" and "AssertionError: only head_dim 16" in result.message
     assert "plugged into tiny-py" in result.message
-    assert decoder_module.apply_rotary is apply_rotary
+    assert TORCH_BACKEND.rotary is apply_rotary
     result = ch01._check_mask_in_engine("sliding_window_mask", lambda *a: 1 / 0)
     assert result.status == "FAIL" and "ZeroDivisionError" in result.message
     assert attention_module.causal_mask is ORIGINAL_MASK
 
 
 def test_swapped_restores_the_attribute_when_the_block_raises() -> None:
-    with pytest.raises(RuntimeError), ch01.swapped(decoder_module, "apply_rotary", None):
-        assert decoder_module.apply_rotary is None
+    runner = ch01.engine_llm().engine.core.runner
+    kernels = runner.kernels
+    with pytest.raises(RuntimeError), ch01.swapped(runner, "kernels", None):
+        assert runner.kernels is None
         raise RuntimeError("the reader's bug")
-    assert decoder_module.apply_rotary is apply_rotary
+    assert runner.kernels is kernels
 
 
 def test_model_seams_restore_the_model_bit_for_bit_even_when_the_block_raises() -> None:
@@ -209,9 +212,9 @@ def test_interleaved_checkpoint_with_interleaved_rope_is_the_original_model() ->
     half = model.config.head_dim // 2
     with ch01.interleaved_checkpoint(model):
         assert (ch01._prefill_logits(model, ids) - logits).abs().max() > 1  # the plain rotation is now wrong
-        with ch01.swapped(decoder_module, "apply_rotary",
-                          ch01._reader_rotary(ch01.reference_apply_rope_interleaved, half)):
-            assert torch.allclose(ch01._prefill_logits(model, ids), logits, atol=1e-4)
+        reader = dataclasses.replace(TORCH_BACKEND, rotary=ch01._reader_rotary(ch01.reference_apply_rope_interleaved,
+                                                                                half))
+        assert torch.allclose(ch01._prefill_logits(model, ids, reader), logits, atol=1e-4)
 
 
 def test_kv_cache_fail_names_the_step_and_the_case() -> None:

@@ -16,8 +16,8 @@ prompts: the logits and the generated tokens must be the engine's own.
 - ``check_kv_cache``: the reader's KV cache class holds the K/V of a greedy loop over ``tiny-py``
   (prefill whole or in chunks, then decode); its tokens must be those of ``LLM.generate``.
 
-Plugging in swaps a module attribute (``minipd.models.decoder.apply_rotary``,
-``minipd.kernels.attention.causal_mask``, ``minipd.layers.sampler.top_k_top_p_filter``) inside a
+Plugging in swaps an attribute (the engine's kernel backend, whose ``rotary`` every attention layer calls;
+``minipd.kernels.attention.causal_mask``; ``minipd.layers.sampler.top_k_top_p_filter``) inside a
 context manager that always puts it back, even when the reader's code raises; every checker builds
 its own ``LLM``, so the reader's ``llm`` is untouched.
 """
@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 import torch
 
 import minipd.layers.sampler as sampler_module
-import minipd.models.decoder as decoder_module
 from minipd.config import RopeConfig
 from minipd.exercises.checking import (
     Case,
@@ -46,7 +45,7 @@ from minipd.exercises.checking import (
     todo,
 )
 from minipd.kernels.attention import causal_mask as _causal_mask
-from minipd.kernels.backend import TORCH_BACKEND
+from minipd.kernels.backend import TORCH_BACKEND, KernelBackend
 from minipd.kernels.paged_attention import gather_kv
 from minipd.kv.contiguous import ContiguousKVCache
 from minipd.layers.attention import attention as _attention
@@ -54,6 +53,7 @@ from minipd.layers.rotary import RotaryEmbedding, apply_rotary, deinterleave
 from minipd.layers.sampler import top_k_top_p_filter as _top_k_top_p_filter
 from minipd.llm import LLM
 from minipd.models.decoder import DecoderModel
+from minipd.models.forward_context import ForwardContext
 from minipd.sampling_params import SamplingParams
 
 # (By module name: ``import minipd.layers.attention as ...`` would give the function the package re-exports.)
@@ -303,9 +303,9 @@ def _prompt_ids(llm: LLM, prompt: str) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _prefill_logits(model: DecoderModel, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of every position of ``ids`` in one pass without a cache: (tokens, vocab)."""
-    return model.compute_logits(model(ids, torch.arange(len(ids))))
+def _prefill_logits(model: DecoderModel, ids: torch.Tensor, kernels: KernelBackend = TORCH_BACKEND) -> torch.Tensor:
+    """Logits of every position of ``ids`` in one pass without a cache, on ``kernels``: (tokens, vocab)."""
+    return model.compute_logits(model(ids, torch.arange(len(ids)), ForwardContext(None, kernels)))
 
 
 # --- inputs, including edge cases ---------------------------------------------------------------
@@ -404,7 +404,9 @@ def _check_rope_in_engine(name: str, fn: Callable[..., Any]) -> CheckResult:
     def plugged_in() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(interleaved_checkpoint(model))
-        stack.enter_context(swapped(decoder_module, "apply_rotary", _reader_rotary(fn, model.config.head_dim // 2)))
+        runner = llm.engine.core.runner  # its kernels are every pass's: the rotation here is the reader's
+        reader = dataclasses.replace(runner.kernels, rotary=_reader_rotary(fn, model.config.head_dim // 2))
+        stack.enter_context(swapped(runner, "kernels", reader))
         return stack
 
     return _logits_then_tokens(name, where, llm, ids, expected_logits, expected, plugged_in)
@@ -416,7 +418,7 @@ def _logits_then_tokens(name: str, where: str, llm: Any, ids: list[int], expecte
     logits, then the greedy tokens, against the engine's own; TODO for an untouched stub."""
     try:
         with plugged_in():
-            logits = _prefill_logits(llm.model, ids)
+            logits = _prefill_logits(llm.model, ids, llm.engine.core.runner.kernels)
             failure, diff = tensor_mismatch(name, logits, expected_logits, 1e-4, 1e-4,
                                             f"[{where}; prompt {ENGINE_PROMPTS[0]!r}, index (position, token)]",
                                             subject="logits:")

@@ -15,7 +15,8 @@ import torch
 
 from minipd.kernels.kv_store import store_kv_torch
 from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
-from minipd.kernels.rms_norm import add_rms_norm_torch
+from minipd.kernels.rms_norm import add_rms_norm_torch, rms_norm
+from minipd.kernels.rotary import apply_rotary
 from minipd.kv.spec import KVSpec
 
 BACKENDS = ("torch", "triton", "cpu")
@@ -32,6 +33,10 @@ class KernelBackend:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     #: Returns why ``(spec, model_dtype)`` cannot run on this backend, or None when it can.
     limits: Callable[[KVSpec, torch.dtype], str | None] = lambda spec, dtype: None
+    #: RMSNorm alone (a layer's input norm, the final norm, Qwen3's q/k norms).
+    rms_norm: Callable[..., torch.Tensor] = rms_norm
+    #: RoPE on (tokens, heads, head_dim) queries or keys.
+    rotary: Callable[..., torch.Tensor] = apply_rotary
 
     def check(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
         """Raise ``ValueError`` naming the setting when this backend cannot run ``spec``."""
@@ -107,7 +112,9 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
 
 
 def _cpu_backend(device: torch.device) -> KernelBackend:
-    """The torch references with paged decode and prefill attention swapped for the compiled C++ kernels."""
+    """The torch references with the compiled C++ kernels in their place: paged decode and prefill attention,
+    and (for fp32 activations in eager steps) RMSNorm, the residual add + RMSNorm and RoPE."""
+    from minipd.kernels.cpu_norm_rope import add_rms_norm_cpu, apply_rotary_cpu, rms_norm_cpu
     from minipd.kernels.cpu_paged_attention import (
         load_kernel,
         paged_decode_attention_cpu,
@@ -120,7 +127,7 @@ def _cpu_backend(device: torch.device) -> KernelBackend:
     if module is None:
         raise ValueError(f"kernel_backend='cpu' could not be built here ({why}); use kernel_backend='torch'")
     return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_cpu,
-                         add_rms_norm_torch, _torch_limits)
+                         add_rms_norm_cpu, _torch_limits, rms_norm=rms_norm_cpu, rotary=apply_rotary_cpu)
 
 
 def kernel_backends() -> dict[str, str]:

@@ -67,9 +67,11 @@ NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
 
 #: The C++ sources (beside this file, so that they read as C++), compiled together by load_inline into one
 #: extension: the panel linears of :mod:`minipd.kernels.cpu_linear` (first: they define what both use), the
-#: attention kernels, and SwiGLU's fused activation (last: it uses the attention's exp).
+#: attention kernels, SwiGLU's fused activation (after them: it uses the attention's exp), and the one-pass
+#: RMSNorm and RoPE of :mod:`minipd.kernels.cpu_norm_rope`.
 _SOURCE = "\n" + "\n".join((Path(__file__).parent / name).read_text()
-                            for name in ("cpu_panel_linear.cpp", "cpu_paged_attention.cpp", "cpu_swiglu.cpp"))
+                            for name in ("cpu_panel_linear.cpp", "cpu_paged_attention.cpp", "cpu_swiglu.cpp",
+                                         "cpu_norm_rope.cpp"))
 
 
 @functools.cache
@@ -152,7 +154,7 @@ def load_kernel() -> tuple[object | None, str | None]:
 
             module = load_inline(extension_name(), cpp_sources=[_SOURCE],
                                  functions=["paged_decode", "paged_prefill", "pack_panels", "panel_linear",
-                                            "silu_mul"],
+                                            "silu_mul", "rms_norm_f32", "add_rms_norm_f32", "rotary_f32"],
                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
         # Their shape rules, for tracing: decode's output is shaped like the queries; a linear's is (rows, features).
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))

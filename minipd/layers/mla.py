@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from minipd.config import ModelConfig
+from minipd.kernels.backend import TORCH_BACKEND, KernelBackend
 from minipd.kernels.mla import LatentUpProjection, expanded_latent_attention
 from minipd.kv.base import KVCache
 from minipd.layers.norm import RMSNorm
-from minipd.layers.rotary import apply_rotary, deinterleave, yarn_mscale
+from minipd.layers.rotary import deinterleave, yarn_mscale
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:
@@ -77,20 +78,21 @@ class MultiHeadLatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return LatentUpProjection(w[:, :self.nope_dim], w[:, self.nope_dim:], self.absorb_decode)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                kernels: KernelBackend = TORCH_BACKEND) -> torch.Tensor:
         tokens = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # type: ignore[misc]
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), kernels.rms_norm))  # type: ignore[misc]
         q = q.view(tokens, self.num_heads, self.qk_head_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
+        latent = self.kv_a_layernorm(latent, kernels.rms_norm)
         if self.rope_interleave:  # DeepSeek's adjacent pairs as the halves apply_rotary turns
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q_rope = apply_rotary(q_rope, cos, sin)
-        k_rope = apply_rotary(k_rope[:, None, :], cos, sin)[:, 0]
+        q_rope = kernels.rotary(q_rope, cos, sin)
+        k_rope = kernels.rotary(k_rope[:, None, :], cos, sin)[:, 0]
         q = torch.cat((q_nope, q_rope), dim=-1)
         rows = torch.cat((latent, k_rope), dim=-1)  # what the cache keeps for this token
         up = self.up_projection()

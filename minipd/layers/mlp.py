@@ -12,10 +12,11 @@ from torch import nn
 class SwiGLU(nn.Module):
     """The gated MLP of Llama-family models; ``gate`` and ``up`` run as one matmul."""
 
-    #: ``silu(gate) * up`` in one pass over the fused projection's (rows, 2 × intermediate) output, or None for
-    #: torch's ops. The engine sets minipd's C++ kernel where it runs them (fp32 on a CPU); compiled code keeps
-    #: torch's ops, which the compiler fuses itself.
-    fused_silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: ``silu(gate) * up`` in one pass over the fused projection's (rows, 2 × intermediate) output, returning
+    #: None where it does not take the input; None for torch's ops. The engine sets minipd's C++ kernel where
+    #: it runs them (:func:`minipd.kernels.cpu_norm_rope.silu_mul_cpu`: fp32 on a CPU, not while compiling,
+    #: which fuses torch's ops itself).
+    fused_silu_mul: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -26,9 +27,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = self.fused_silu_mul
-        if fused is not None and gate_up.dtype == torch.float32 and not torch.compiler.is_compiling():
-            rows = fused(gate_up.reshape(-1, gate_up.shape[-1]).contiguous())
+        rows = None if self.fused_silu_mul is None else self.fused_silu_mul(gate_up)
+        if rows is not None:
             return self.down_proj(rows.view(*gate_up.shape[:-1], self.intermediate_size))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

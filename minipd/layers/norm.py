@@ -18,8 +18,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernel: Callable[..., torch.Tensor] = rms_norm) -> torch.Tensor:
+        """``kernel(x, weight, eps)``: the torch reference, or a backend's (``ForwardContext.kernels.rms_norm``)."""
+        return kernel(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
                      kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm

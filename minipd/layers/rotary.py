@@ -12,6 +12,10 @@ import torch
 from torch import nn
 
 from minipd.config import RopeConfig
+from minipd.kernels.rotary import apply_rotary, rotate_half
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "deinterleave", "inverse_frequencies", "rope_attention_factor",
+           "rotate_half", "yarn_mscale"]
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -77,17 +81,6 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
     in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(in_band, blended, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Map channel halves ``(a, b)`` to ``(-b, a)``: the 90° turn used by the HF layout of RoPE."""
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (..., tokens, heads, head_dim) by per-token angles given as cos and sin."""
-    return x * cos + rotate_half(x) * sin
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from minipd.config import ModelConfig
+from minipd.kernels.backend import TORCH_BACKEND, KernelBackend
 from minipd.kv.base import KVCache
 from minipd.layers.attention import attention
 from minipd.layers.mla import MultiHeadLatentAttention
 from minipd.layers.mlp import SwiGLU
 from minipd.layers.moe import MoE
 from minipd.layers.norm import RMSNorm
-from minipd.layers.rotary import RotaryEmbedding, apply_rotary
+from minipd.layers.rotary import RotaryEmbedding
 from minipd.models.forward_context import ForwardContext
 
 
@@ -45,19 +46,20 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                kernels: KernelBackend = TORCH_BACKEND) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k heads side by side, so RoPE is one pass over both.
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = kernels.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim))
+            q = self.q_norm(qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim), kernels.rms_norm)
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads,
-                                                                                 self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                                                                                 self.head_dim), kernels.rms_norm)
+            q, k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
         if cache is None:
             out = attention(q, k, v, self.scale, self.sliding_window)
         else:
@@ -87,9 +89,11 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), cos, sin, context.cache)
+        kernels = context.kernels
+        h = self.input_layernorm(x, kernels.rms_norm)
+        attn_out = self.self_attn(h, cos, sin, context.cache, kernels)
         # x + attn_out and its RMSNorm in one kernel: the sum is the residual stream, the norm feeds the MLP.
-        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x, context.kernels.add_rms_norm)
+        h, x = self.post_attention_layernorm.add_and_norm(attn_out, x, kernels.add_rms_norm)
         return x + self.mlp(h)
 
 
@@ -126,7 +130,7 @@ class DecoderModel(nn.Module):
             x = layer(x, cos, sin, context)
         if context.cache is not None:
             context.cache.advance(input_ids.shape[0])
-        return self.norm(x)
+        return self.norm(x, context.kernels.rms_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits from final hidden states, in fp32."""
