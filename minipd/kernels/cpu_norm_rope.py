@@ -51,7 +51,7 @@ def add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """As :func:`~minipd.layers.rotary.apply_rotary` for ``x`` (tokens, heads, head_dim) and ``cos``, ``sin``
+    """As :func:`~minipd.kernels.rotary.apply_rotary` for ``x`` (tokens, heads, head_dim) and ``cos``, ``sin``
     (tokens, 1, head_dim); the result is contiguous."""
     kernel = _kernel("rotary_f32") if takes_kernel(x, cos, sin) else None
     tokens = x.shape[0] if x.dim() == 3 else -1
