@@ -215,9 +215,10 @@ def test_a_shut_down_or_dropped_client_leaves_no_socket_folder(tmp_path):
     folder, process = client.socket_folder, client.process
     (Path(folder) / "notes.txt").write_text("a user's file")
     try:
-        del client  # dropped without a shutdown: the finalizer runs
+        del client  # dropped without a shutdown: the finalizer stops its process and removes its sockets
         gc.collect()
         assert os.listdir(folder) == ["notes.txt"]
+        assert not process.is_alive()
     finally:
         process.kill()
         process.join(timeout=10)

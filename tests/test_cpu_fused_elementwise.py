@@ -19,10 +19,12 @@ from helpers import need_cpu_kernel
 
 from minipd import LLM, SamplingParams
 from minipd.config import RopeConfig
+from minipd.kernels import cpu_norm_rope
+from minipd.kernels.activation import silu_and_mul
 from minipd.kernels.cpu_norm_rope import add_rms_norm_cpu, apply_rotary_cpu, rms_norm_cpu, silu_mul_cpu
 from minipd.kernels.rms_norm import add_rms_norm, rms_norm
-from minipd.layers.mlp import SwiGLU
-from minipd.layers.rotary import RotaryEmbedding, apply_rotary
+from minipd.kernels.rotary import apply_rotary
+from minipd.layers.rotary import RotaryEmbedding
 
 PROMPTS = ["def fib(n):", "import os\nclass Foo:", "for i in range(10):\n    print(", "x = ["]
 
@@ -30,6 +32,19 @@ PROMPTS = ["def fib(n):", "import os\nclass Foo:", "for i in range(10):\n    pri
 @pytest.fixture(scope="module")
 def kernels():
     return need_cpu_kernel()
+
+
+@pytest.fixture
+def kernel_calls(kernels, monkeypatch):
+    """The names of the C++ functions the wrappers of :mod:`minipd.kernels.cpu_norm_rope` called, in order."""
+    calls: list[str] = []
+
+    def spied(name):
+        fn = getattr(kernels, name, None)
+        return None if fn is None else (lambda *args: calls.append(name) or fn(*args))
+
+    monkeypatch.setattr(cpu_norm_rope, "_kernel", spied)
+    return calls
 
 
 def reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -111,7 +126,7 @@ def test_norm_and_rope_kernels_refuse_what_they_do_not_read(kernels):
         kernels.rotary_f32(torch.randn(4, 2, 8), torch.ones(3, 1, 8), torch.ones(3, 1, 8))
 
 
-def test_the_wrappers_fall_back_to_torch_where_the_kernels_do_not_apply(kernels):
+def test_the_wrappers_fall_back_to_torch_where_the_kernels_do_not_apply(kernel_calls):
     torch.manual_seed(0)
     weight = torch.randn(16)
     x64 = torch.randn(5, 16, dtype=torch.float64)
@@ -126,14 +141,20 @@ def test_the_wrappers_fall_back_to_torch_where_the_kernels_do_not_apply(kernels)
     residual = torch.randn(5, 16)
     normed, _ = add_rms_norm_cpu(x, residual, weight, 1e-5)
     assert normed.requires_grad
-    assert silu_mul_cpu(torch.randn(3, 8, requires_grad=True)) is None
+    gate_up = torch.randn(3, 8, requires_grad=True)
+    silu_mul_cpu(gate_up).sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    assert kernel_calls == []  # none of the above reached a kernel
     # Under inference mode the kernels run, and agree.
     with torch.inference_mode():
         torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+        torch.testing.assert_close(silu_mul_cpu(gate_up[None]), silu_and_mul(gate_up[None]))
+    assert kernel_calls == ["rms_norm_f32", "silu_mul"]
     # While compiling, torch's ops are traced (the compiler fuses them); the compiled function agrees.
     compiled = torch.compile(lambda a, b: add_rms_norm_cpu(a, b, weight, 1e-5)[0], backend="eager", fullgraph=True)
     a, b = torch.randn(6, 16), torch.randn(6, 16)
     torch.testing.assert_close(compiled(a, b), add_rms_norm(a, b, weight, 1e-5)[0])
+    assert kernel_calls == ["rms_norm_f32", "silu_mul"]  # the compiled one did not call a kernel
 
 
 def test_the_portable_path_without_avx2_is_the_reference(tmp_path):
@@ -145,10 +166,10 @@ def test_the_portable_path_without_avx2_is_the_reference(tmp_path):
         import torch, torch.nn.functional as F
         from torch.utils.cpp_extension import load_inline
         from minipd.kernels.cpu_paged_attention import _SOURCE
-        from minipd.kernels.rms_norm import add_rms_norm
-        from minipd.layers.rotary import apply_rotary
+        from minipd.kernels.rms_norm import add_rms_norm, rms_norm
+        from minipd.kernels.rotary import apply_rotary
         m = load_inline("minipd_elementwise_portable", cpp_sources=[_SOURCE],
-                        functions=["silu_mul", "add_rms_norm_f32", "rotary_f32"],
+                        functions=["silu_mul", "rms_norm_f32", "add_rms_norm_f32", "rotary_f32"],
                         extra_cflags={flags!r}, build_directory={str(tmp_path)!r})
         torch.manual_seed(0)
         for rows, width in ((1, 13), (50, 704)):
@@ -156,6 +177,8 @@ def test_the_portable_path_without_avx2_is_the_reference(tmp_path):
             gate, up = x.chunk(2, dim=-1)
             torch.testing.assert_close(m.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
             residual, weight = torch.randn(rows, 2 * width), torch.randn(2 * width)
+            torch.testing.assert_close(m.rms_norm_f32(x, weight, 1e-5), rms_norm(x, weight, 1e-5),
+                                       rtol=1e-5, atol=1e-5)
             got, want = m.add_rms_norm_f32(x, residual, weight, 1e-5), add_rms_norm(x, residual, weight, 1e-5)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -169,34 +192,27 @@ def test_the_portable_path_without_avx2_is_the_reference(tmp_path):
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])  # int8 weights: the activations are fp32 all the same
-def test_the_engine_runs_the_fused_kernels_with_the_cpu_backend_and_the_tokens_stay(kernels, weights):
+def test_the_engine_runs_the_fused_kernels_with_the_cpu_backend_and_the_tokens_stay(kernel_calls, weights):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     fused = LLM("tiny-py", kernel_backend="cpu", compile_decode=False,
                 weight_dtype="auto" if weights == "float32" else weights)
-    layers = [m for m in fused.model.modules() if isinstance(m, SwiGLU)]
-    assert layers and all(layer.fused_silu_mul is silu_mul_cpu for layer in layers)
     runner = fused.engine.core.runner
-    assert (runner.kernels.rms_norm, runner.kernels.add_rms_norm, runner.kernels.rotary) == \
-        (rms_norm_cpu, add_rms_norm_cpu, apply_rotary_cpu)
-    calls: list[str] = []
-
-    def counted(name, fn):
-        return lambda *args: calls.append(name) or fn(*args)
-
     with_kernels = runner.kernels
-    runner.kernels = dataclasses.replace(with_kernels, **{k: counted(k, getattr(with_kernels, k))
-                                                          for k in ("rms_norm", "add_rms_norm", "rotary")})
+    assert (with_kernels.rms_norm, with_kernels.add_rms_norm, with_kernels.rotary, with_kernels.silu_mul) == \
+        (rms_norm_cpu, add_rms_norm_cpu, apply_rotary_cpu, silu_mul_cpu)
+    del kernel_calls[:]
     got = fused.generate(PROMPTS, params)
-    layers_n = fused.config.num_hidden_layers
-    steps = len([s for s in fused.engine.step_stats if s.num_prefill_tokens + s.num_decode_tokens])
-    assert calls.count("rotary") == calls.count("add_rms_norm") >= layers_n  # every layer, every step
-    assert calls.count("rms_norm") == calls.count("rotary") + calls.count("rotary") // layers_n  # + the final norm
-    assert steps
-    for layer in layers:
-        layer.fused_silu_mul = None  # torch's ops, the same engine otherwise
+    # Every layer of every step ran each kernel: one input norm, one add + norm, one rotation and one activation,
+    # and the final norm once a step.
+    layers, steps = fused.config.num_hidden_layers, fused.engine.core.num_steps
+    counts = {name: kernel_calls.count(name) for name in set(kernel_calls)}
+    assert counts == {"rms_norm_f32": (layers + 1) * steps, "add_rms_norm_f32": layers * steps,
+                      "rotary_f32": layers * steps, "silu_mul": layers * steps}, (counts, steps)
     runner.kernels = dataclasses.replace(with_kernels, rms_norm=rms_norm, add_rms_norm=add_rms_norm,
-                                         rotary=apply_rotary)
+                                         rotary=apply_rotary, silu_mul=silu_and_mul)  # torch's ops, same engine
+    del kernel_calls[:]
     want = fused.generate(PROMPTS, params)
+    assert kernel_calls == []
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     # int8 weights multiply bf16 activations: an input one fp32 rounding apart can land on the other side of a
     # bf16 step (0.4%), and six layers carry it on; the tokens must still be the same.
@@ -208,6 +224,6 @@ def test_the_engine_runs_the_fused_kernels_with_the_cpu_backend_and_the_tokens_s
 
 def test_an_engine_on_the_torch_kernels_keeps_torch_s_ops():
     plain = LLM("tiny-py", kernel_backend="torch", compile_decode=False)
-    assert all(m.fused_silu_mul is None for m in plain.model.modules() if isinstance(m, SwiGLU))
     kernels = plain.engine.core.runner.kernels
-    assert (kernels.rms_norm, kernels.rotary) == (rms_norm, apply_rotary)
+    assert (kernels.rms_norm, kernels.add_rms_norm, kernels.rotary, kernels.silu_mul) == \
+        (rms_norm, add_rms_norm, apply_rotary, silu_and_mul)

@@ -37,8 +37,10 @@ class EngineConfig:
             (steps are all prefill or all decode, vLLM's scheduler of 2023), or an instance of
             :class:`~minipd.engine.scheduler.SchedulingPolicy`.
         kernel_backend: ``"torch"``, ``"triton"`` or ``"cpu"`` (the compiled C++ paged-attention kernels of
-            :mod:`minipd.kernels.cpu_paged_attention`); None picks Triton on CUDA, and on a CPU the C++
-            kernel once it is built (``make install`` builds it), torch before.
+            :mod:`minipd.kernels.cpu_paged_attention`, and for fp32 eager steps the one-pass RMSNorm, RoPE and
+            SwiGLU activation of :mod:`minipd.kernels.cpu_norm_rope`, equal to torch's up to rounding); None
+            picks Triton on CUDA, and on a CPU the C++ kernels once they are built (``make install`` builds
+            them), torch before.
         linear_backend: how the model's linear layers multiply: ``"torch"`` (``F.linear``), ``"onednn"``
             (weights packed once for oneDNN's CPU kernels), ``"cpu"`` (weights packed in panels for minipd's
             C++ kernel, built with the attention kernels) — both fp32 on a CPU only; see

@@ -28,7 +28,7 @@ import torch
 from minipd.engine.config import EngineConfig
 from minipd.engine.eviction import Evictor
 from minipd.engine.model_runner import ModelRunner
-from minipd.engine.model_setup import set_fused_activations, set_linear_backend, set_moe_layers, set_weight_dtype
+from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
 from minipd.engine.request import Request, RequestStatus
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.step_core import StepCore
@@ -86,7 +86,6 @@ class EngineCore(StepCore):
         #: Which path the model's linear layers take ("torch" or "onednn"; see :mod:`minipd.kernels.cpu_linear`),
         #: and why (shown by describe()).
         self.linear_backend, self.linear_backend_reason = set_linear_backend(model, config.linear_backend)
-        set_fused_activations(model, self.kernels.name)
         adaptive = config.kv_cache_dtype == "adaptive"
         self.kv_spec = KVSpec.from_name(model.config, config.block_size, "auto" if adaptive else config.kv_cache_dtype,
                                         self.dtype)

@@ -176,11 +176,11 @@ class CoreClient:
                 process.join(timeout=10)
             push.close(linger=0)
             pull.close(linger=0)
-            remove_folder()
+            abandon()
 
         client = cls(send, receive, process.is_alive, stop)
-        # Also at interpreter exit, or when the client is dropped without a shutdown.
-        remove_folder = weakref.finalize(client, _remove_socket_folder, folder)
+        # Also when the client is dropped without a shutdown, or at interpreter exit: its process and sockets go.
+        abandon = weakref.finalize(client, _abandon, process, folder, os.getpid())
         client.process = process
         client.socket_folder = folder
         client.info = client._wait_ready(start_timeout)
@@ -290,6 +290,17 @@ def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, 
         return wire_receive(pull, codec, timeout, "engine core channel")
 
     return send, receive
+
+
+def _abandon(process: Any, folder: str, owner: int) -> None:
+    """What a client leaves behind when it goes without a shutdown: kill its core process and remove its socket
+    folder. Only in the process that made them (a forked child's exit must not take its parent's sockets)."""
+    if os.getpid() != owner:
+        return
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=10)
+    _remove_socket_folder(folder)
 
 
 def _remove_socket_folder(folder: str) -> None:

@@ -102,19 +102,3 @@ def set_linear_backend(model: DecoderModel, backend: str) -> tuple[str, str]:
     if backend in ("onednn", "cpu"):
         (pack_linears if backend == "onednn" else pack_panel_linears)(model)
     return backend, reason
-
-
-def set_fused_activations(model: DecoderModel, kernel_backend: str) -> int:
-    """Give every :class:`~minipd.layers.mlp.SwiGLU` of ``model`` minipd's one-pass C++ activation (it takes
-    fp32 activations; others go to torch's ops) when the engine runs the C++ CPU kernels
-    (``kernel_backend == "cpu"``), else torch's ops; returns how many took the kernel."""
-    from minipd.kernels.cpu_norm_rope import silu_mul_cpu
-    from minipd.kernels.cpu_paged_attention import load_kernel
-    from minipd.layers.mlp import SwiGLU
-
-    built = kernel_backend == "cpu" and getattr(load_kernel()[0], "silu_mul", None) is not None
-    fused = silu_mul_cpu if built else None
-    layers = [layer for layer in model.modules() if isinstance(layer, SwiGLU)]
-    for layer in layers:
-        layer.fused_silu_mul = fused
-    return len(layers) if fused is not None else 0

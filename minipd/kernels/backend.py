@@ -1,4 +1,5 @@
-"""One switch for the engine's kernels: ``"torch"`` (references, fast on CPU) or ``"triton"``.
+"""One switch for the engine's kernels: ``"torch"`` (the references), ``"triton"`` (GPU) or ``"cpu"`` (C++ paged
+attention, and one-pass RMSNorm, RoPE and SwiGLU activation for fp32 eager steps, built for this machine).
 
 A backend also says which KV formats it can read (:meth:`KernelBackend.check`), so an engine
 refuses a ``block_size`` or cache dtype its kernels cannot take when it is built, not at the first step.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minipd.kernels.activation import silu_and_mul
 from minipd.kernels.kv_store import store_kv_torch
 from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from minipd.kernels.rms_norm import add_rms_norm_torch, rms_norm
@@ -37,6 +39,8 @@ class KernelBackend:
     rms_norm: Callable[..., torch.Tensor] = rms_norm
     #: RoPE on (tokens, heads, head_dim) queries or keys.
     rotary: Callable[..., torch.Tensor] = apply_rotary
+    #: SwiGLU's ``silu(gate) * up`` from the fused gate/up projection's output.
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul
 
     def check(self, spec: KVSpec, model_dtype: torch.dtype) -> None:
         """Raise ``ValueError`` naming the setting when this backend cannot run ``spec``."""
@@ -113,8 +117,8 @@ def get_backend(name: str | None, device: torch.device) -> KernelBackend:
 
 def _cpu_backend(device: torch.device) -> KernelBackend:
     """The torch references with the compiled C++ kernels in their place: paged decode and prefill attention,
-    and (for fp32 activations in eager steps) RMSNorm, the residual add + RMSNorm and RoPE."""
-    from minipd.kernels.cpu_norm_rope import add_rms_norm_cpu, apply_rotary_cpu, rms_norm_cpu
+    and (for fp32 activations in eager steps) RMSNorm, the residual add + RMSNorm, RoPE and SwiGLU's activation."""
+    from minipd.kernels.cpu_norm_rope import add_rms_norm_cpu, apply_rotary_cpu, rms_norm_cpu, silu_mul_cpu
     from minipd.kernels.cpu_paged_attention import (
         load_kernel,
         paged_decode_attention_cpu,
@@ -127,7 +131,8 @@ def _cpu_backend(device: torch.device) -> KernelBackend:
     if module is None:
         raise ValueError(f"kernel_backend='cpu' could not be built here ({why}); use kernel_backend='torch'")
     return KernelBackend("cpu", store_kv_torch, paged_decode_attention_cpu, paged_prefill_attention_cpu,
-                         add_rms_norm_cpu, _torch_limits, rms_norm=rms_norm_cpu, rotary=apply_rotary_cpu)
+                         add_rms_norm_cpu, _torch_limits, rms_norm=rms_norm_cpu, rotary=apply_rotary_cpu,
+                         silu_mul=silu_mul_cpu)
 
 
 def kernel_backends() -> dict[str, str]:

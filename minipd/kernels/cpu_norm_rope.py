@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from minipd.kernels.activation import silu_and_mul
 from minipd.kernels.cpu_paged_attention import load_kernel
 from minipd.kernels.rms_norm import add_rms_norm_torch, rms_norm
 from minipd.kernels.rotary import apply_rotary
@@ -63,13 +64,14 @@ def apply_rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return kernel(x, cos.contiguous(), sin.contiguous())
 
 
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a (rows, 2 x width) fused projection output in one pass, or None where the kernel
-    does not take it (the caller runs torch's ops)."""
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """As :func:`~minipd.kernels.activation.silu_and_mul`: ``silu(gate) * up`` of a (..., 2 x width) fused
+    projection output, in one pass."""
     kernel = _kernel("silu_mul") if takes_kernel(gate_up) else None
-    if kernel is None:
-        return None
-    return kernel(gate_up.reshape(-1, gate_up.shape[-1]).contiguous())
+    if kernel is None or gate_up.shape[-1] % 2:
+        return silu_and_mul(gate_up)
+    rows = kernel(gate_up.reshape(-1, gate_up.shape[-1]).contiguous())
+    return rows.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 __all__ = ["add_rms_norm_cpu", "apply_rotary_cpu", "rms_norm_cpu", "silu_mul_cpu", "takes_kernel"]

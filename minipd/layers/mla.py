@@ -79,7 +79,8 @@ class MultiHeadLatentAttention(nn.Module):
         return LatentUpProjection(w[:, :self.nope_dim], w[:, self.nope_dim:], self.absorb_decode)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                kernels: KernelBackend = TORCH_BACKEND) -> torch.Tensor:
+                kernels: KernelBackend | None = None) -> torch.Tensor:
+        kernels = TORCH_BACKEND if kernels is None else kernels  # (see SelfAttention.forward: not a default)
         tokens = x.shape[0]
         if self.q_proj is not None:
             q = self.q_proj(x)

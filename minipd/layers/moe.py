@@ -7,6 +7,7 @@ matmul on CUDA), and the dispatcher's combine puts the weighted outputs back in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -75,8 +76,10 @@ class MoE(nn.Module):
         """Experts per token."""
         return self.router.top_k
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype."""
+    def forward(self, x: torch.Tensor,
+                silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The mixture's output for hidden states ``x`` (..., hidden), same shape and dtype (``silu_mul``: the
+        shared expert's activation kernel, a backend's; None for the torch reference)."""
         hidden = x.reshape(-1, x.shape[-1])
         weights, expert_ids = self.router(hidden)
         capped = self.capacity_factor is not None
@@ -109,7 +112,7 @@ class MoE(nn.Module):
 
                 out = fused_moe_triton(rows, weights, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:
-            shared = self.shared_expert(hidden)
+            shared = self.shared_expert(hidden) if silu_mul is None else self.shared_expert(hidden, silu_mul)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
             out = out + shared

@@ -47,7 +47,9 @@ class SelfAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
-                kernels: KernelBackend = TORCH_BACKEND) -> torch.Tensor:
+                kernels: KernelBackend | None = None) -> torch.Tensor:
+        # (None, not TORCH_BACKEND, as the default: torch 2.11's compiler cannot wrap an object held in defaults.)
+        kernels = TORCH_BACKEND if kernels is None else kernels
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -94,7 +96,7 @@ class DecoderLayer(nn.Module):
         attn_out = self.self_attn(h, cos, sin, context.cache, kernels)
         # x + attn_out and its RMSNorm in one kernel: the sum is the residual stream, the norm feeds the MLP.
         h, x = self.post_attention_layernorm.add_and_norm(attn_out, x, kernels.add_rms_norm)
-        return x + self.mlp(h)
+        return x + self.mlp(h, kernels.silu_mul)
 
 
 class DecoderModel(nn.Module):
