@@ -338,18 +338,31 @@ def test_logprobs_come_back_from_both_workers(llm):
 
 def test_a_transfer_report_that_comes_after_the_last_token_still_lands_in_the_metrics(llm):
     """In push modes the decode worker learns of the written K/V from the transport, and the front end
-    from the prefill worker, on another socket: a request may finish before that report. Its final
-    output waits for it, so every request carries its bytes and timeline."""
+    from the prefill worker, on another socket: decode tokens may come before that report. They wait for
+    it, so every request carries its bytes and timeline: one that runs to its last token, and one that a
+    stop string in a decode token ends in the front end (which once finished without its bytes)."""
     prompts, _ = mixed(llm, 8)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     expected = tokens(llm.generate(prompts, params))
+    # A stop string that the third token's text brings (and the first two's do not): the request ends in decode.
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stopped = [(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[third]))
+               for p, o in zip(prompts, greedy, strict=True)
+               if (third := llm.tokenizer.decode(o.token_ids[2:3])).strip()
+               and third not in llm.tokenizer.decode(o.token_ids[:2])]
+    assert len(stopped) >= 4, "too few prompts with a usable stop string"
+    stop_prompts, stop_params = [p for p, _ in stopped], [sp for _, sp in stopped]
+    stop_expected = tokens(llm.generate(stop_prompts, stop_params))
+    assert all(reason == "stop" for _, _, reason in stop_expected)
     per_block = 2 * llm.config.num_hidden_layers * 16 * llm.config.num_key_value_heads * llm.config.head_dim * 4
     with DisaggregatedLLM("tiny-py", kv_transport="torch", kv_transfer="push", kv_lease_s=20,
                           start_timeout=120) as pd:
         pd.inject_fault("prefill0", "late_reports")
-        outputs = pd.generate(prompts, params)
-        assert tokens(outputs) == expected
-        for o in outputs:
-            assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block
-            assert o.metrics.kv_timeline is not None and o.metrics.kv_timeline.transfer is not None
-        wait_until_blocks_free(pd)
+        for run_prompts, run_params, want in ((prompts, params, expected),
+                                              (stop_prompts, stop_params, stop_expected)):
+            outputs = pd.generate(run_prompts, run_params)
+            assert tokens(outputs) == want
+            for o in outputs:
+                assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block, o.request_id
+                assert o.metrics.kv_timeline is not None and o.metrics.kv_timeline.transfer is not None
+            wait_until_blocks_free(pd)

@@ -139,8 +139,11 @@ class ClusterCore:
                 if dest.alive and dest is not worker:
                     # Writes into its reservation may be under way: it is freed once they are over.
                     self._send_unless_dead(dest, m.ReleaseReservation(rid, flight.phase is not Phase.RESERVING))
-            flight.parked = None
-            outputs.append(EngineCoreOutput(rid, [], reason))
+            # Tokens kept back for a transfer report are the request's all the same: they go first.
+            parked, flight.parked = (flight.parked[0] if flight.parked else []), None
+            outputs.extend(self._with_route(flight, out) for out in parked)
+            if not (parked and parked[-1].finished):
+                outputs.append(self._with_route(flight, EngineCoreOutput(rid, [], reason)))
         return outputs
 
     def step(self) -> EngineCoreOutputs:
@@ -313,7 +316,7 @@ class ClusterCore:
                 self._on_kv_loaded(flight, message)
         elif isinstance(message, m.KVFailed):
             flight = self._flights.get(message.request_id)
-            if flight is not None and flight.parked is not None:  # it finished: the K/V were there
+            if flight is not None and flight.parked is not None:  # its decode worker ran: the K/V were there
                 flight.kv_done = True
                 self._unpark(flight)
             elif flight is not None and not flight.kv_done:
@@ -378,18 +381,22 @@ class ClusterCore:
         out = dataclasses.replace(out, num_prefill_tokens=out.num_prefill_tokens + flight.prefill_tokens,
                                   num_cached_tokens=out.num_cached_tokens + flight.cached_tokens)
         prefill_worker = self.workers.workers.get(flight.route.get("prefill_worker") or "")
-        if out.finished and flight.dest and not flight.kv_done and prefill_worker is not None \
+        if flight.dest and not flight.kv_done and prefill_worker is not None \
                 and prefill_worker.alive:  # a push into this worker's reservation is still unreported
-            flight.parked = (out, time.monotonic())
+            if flight.parked is None:
+                flight.parked = ([out], time.monotonic())
+            else:
+                flight.parked[0].append(out)
             return
         self._emit(flight, out)
 
     def _unpark(self, flight: Flight) -> None:
-        """Deliver a final output that waited for its transfer's report."""
+        """Deliver the outputs that waited for their transfer's report, in order."""
         if flight.parked is not None:
-            out, _ = flight.parked
+            parked, _ = flight.parked
             flight.parked = None
-            self._emit(flight, out)
+            for out in parked:
+                self._emit(flight, out)
 
     def _adopt(self, flight: Flight) -> None:
         """Push modes: the decode worker takes the request into the blocks the prefill worker writes into."""
@@ -405,6 +412,15 @@ class ClusterCore:
                                       num_external_tokens=len(prompt))
         self._assign(flight, dest, Phase.DECODE)
         self._send_unless_dead(dest, m.Adopt(request))  # the request is its now: a death since is recovered
+
+    @staticmethod
+    def _with_route(flight: Flight, out: EngineCoreOutput) -> EngineCoreOutput:
+        """``out`` as the front end gets it: its tokens counted as the flight's, the route's news attached."""
+        flight.tokens.extend(out.new_token_ids)
+        if flight.route_changed:
+            out = dataclasses.replace(out, route=dict(flight.route))
+            flight.route_changed = False
+        return out
 
     def _send_unless_dead(self, worker: Worker, message: m.Message) -> None:
         """Send ``message`` to ``worker``, which may have died since it was last seen alive. A dead worker keeps
@@ -434,10 +450,7 @@ class ClusterCore:
 
     def _emit(self, flight: Flight, out: EngineCoreOutput) -> None:
         """Hand ``out`` to the front end (at the next :meth:`step`), with the route's news."""
-        flight.tokens.extend(out.new_token_ids)
-        if flight.route_changed:
-            out = dataclasses.replace(out, route=dict(flight.route))
-            flight.route_changed = False
+        out = self._with_route(flight, out)
         self._outputs.append(out)
         if out.finished:
             worker = self.workers.workers.get(flight.worker)

@@ -27,9 +27,10 @@ class Flight:
     kv_done: bool = False
     mode: str = "pull"  # the kv_transfer in force when the request arrived
     held_back: bool = False  # it has waited in the backlog for decode room at least once
-    #: Push modes: the final output, kept until the prefill worker's word on the transfer arrives (it
-    #: comes on another socket than the decode worker's outputs), so the metrics are complete.
-    parked: tuple[EngineCoreOutput, float] | None = None  # the output, when parked
+    #: Push modes: the decode worker's outputs, kept until the prefill worker's word on the transfer arrives (it
+    #: comes on another socket than the decode worker's outputs), so that the transfer's metrics reach the
+    #: request before any decode token does (a stop string found in one ends the request at once); and since when.
+    parked: tuple[list[EngineCoreOutput], float] | None = None
     #: RequestMetrics fields the cluster knows (workers, KV transfer), sent with the next output when changed.
     route: dict[str, Any] = field(default_factory=dict)
     route_changed: bool = False
