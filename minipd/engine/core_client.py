@@ -156,7 +156,7 @@ class CoreClient:
         import zmq
 
         folder = tempfile.mkdtemp(prefix="minipd-core-")
-        to_core, from_core = f"ipc://{folder}/in", f"ipc://{folder}/out"
+        to_core, from_core = _addresses(folder)
         context = zmq.Context.instance()
         push = context.socket(zmq.PUSH)
         push.bind(to_core)
@@ -303,10 +303,20 @@ def _abandon(process: Any, folder: str, owner: int) -> None:
     _remove_socket_folder(folder)
 
 
+#: The IPC sockets :meth:`CoreClient.in_process` makes in its private folder: to the core, from the core.
+_SOCKETS = ("in", "out")
+
+
+def _addresses(folder: str) -> tuple[str, str]:
+    """ZeroMQ addresses of the two sockets in ``folder``: to the core, from the core."""
+    to_core, from_core = (f"ipc://{os.path.join(folder, name)}" for name in _SOCKETS)
+    return to_core, from_core
+
+
 def _remove_socket_folder(folder: str) -> None:
     """Remove the two IPC socket files of :meth:`CoreClient.in_process` and their folder; only those (a folder
     holding anything else is left where it is)."""
-    for name in ("in", "out"):
+    for name in _SOCKETS:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(folder, name))
     with contextlib.suppress(OSError):
@@ -319,11 +329,12 @@ def _serve_in_process(model: str, llm_options: dict, folder: str, key: bytes) ->
     ``folder`` holds the client's two sockets (``in``, ``out``)."""
     import zmq
 
+    to_core, from_core = _addresses(folder)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
-    pull.connect(f"ipc://{folder}/in")
+    pull.connect(to_core)
     push = context.socket(zmq.PUSH)
-    push.connect(f"ipc://{folder}/out")
+    push.connect(from_core)
 
     parent = os.getppid()
 
