@@ -206,3 +206,28 @@ def test_a_prompt_longer_than_the_context_is_dropped_with_the_reason_and_outputs
     result = simulate(ClusterSpec.colocated(Linear(), config), workload)
     assert "context of 512" in result.requests[0].dropped
     assert not result.requests[1].dropped and len(result.requests[1].token_times) == 12  # 500 + 12 = 512
+
+
+def test_control_messages_delay_the_first_token_by_both_hops_and_decode_by_both_hops_twice():
+    """One request on an idle cluster, so nothing else moves: with a dispatch latency d and an output latency o,
+    the client sees the first token d + o later (to the prefill instance, back to the client) and every later one
+    2(d + o) later (the decode hop is routed only once the front end has heard of the first token)."""
+    config = InstanceConfig(num_kv_blocks=200, block_size=16)
+    spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-5, 0), config),
+                                             InstanceSpec("decode", Linear(0.01, 0, 1e-4), config), 100.0,
+                                             Link("test", 1e9, 0.001))
+    workload = [PlannedRequest(0.5, 120, 6)]
+    plain = simulate(spec, workload).requests[0]
+    slow = simulate(spec.with_control_latency(0.003, 0.0012), workload).requests[0]
+    assert slow.ttft == pytest.approx(plain.ttft + 0.0042)
+    assert np.subtract(slow.token_times[1:], plain.token_times[1:]) == pytest.approx([2 * 0.0042] * 5)
+    assert slow.tpot > plain.tpot
+    colocated = ClusterSpec.colocated(Linear(), config)
+    alone = simulate(colocated, workload).requests[0]
+    late = simulate(colocated.with_control_latency(0.003, 0.0012), workload).requests[0]
+    assert late.ttft == pytest.approx(alone.ttft + 0.0042)
+    assert late.tpot == pytest.approx(alone.tpot)
+    with pytest.raises(ValueError, match="dispatch_latency_s"):
+        spec.with_control_latency(-0.001, 0.0)
+    with pytest.raises(ValueError, match="output_latency_s"):
+        spec.with_control_latency(0.0, float("nan"))

@@ -18,7 +18,16 @@ from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
 from minipd.sim.instance import InstanceConfig
-from minipd.sim.validate import ReplayStepTime, compare, instance_config, load_runs, run_engine, scheduling_agreement
+from minipd.sim.validate import (
+    RealRun,
+    ReplayStepTime,
+    compare,
+    fit_control_latency,
+    instance_config,
+    load_runs,
+    run_engine,
+    scheduling_agreement,
+)
 
 H200_RUNS = Path(__file__).resolve().parents[1] / "assets" / "sim" / "h200_llama3_8b_runs.json.gz"
 
@@ -98,3 +107,34 @@ def test_a_live_run_on_this_machine_replayed_gives_the_same_batches_and_latencie
     assert np.median(np.abs(tpot)) < 0.01 and np.abs(tpot).max() < 0.05
     with pytest.raises(ValueError, match="prefix cache"):
         instance_config(LLM("tiny-py"))
+
+
+def test_control_latency_is_measured_from_prompts_matched_to_their_prefill_steps():
+    """Three prompts on one prefill worker: the first two find it idle (dispatch 3 and 5 ms after entry), the third
+    enters while the second computes (queued: not a dispatch sample). The second prompt is prefilled in two chunks,
+    the third shares its last step; each first token reaches the client 1–2 ms after its step ends."""
+    from minipd.engine.stats import StepStats
+    from minipd.serve.loadgen import RequestResult
+
+    def step(start: float, duration: float, sizes: tuple[int, ...], contexts: tuple[int, ...],
+             worker: str = "prefill0") -> StepStats:
+        return StepStats(start, duration, sum(sizes), 0, len(sizes), 0, 0, 0, 0.0, 0, prefill_chunk_sizes=sizes,
+                         prefill_chunk_contexts=contexts, worker=worker)
+
+    origin = 100.0
+    steps = [step(origin + 0.003, 0.010, (40,), (40,)),                   # prompt 0 (entered at 0)
+             step(origin + 0.055, 0.010, (64,), (64,)),                   # prompt 1, first chunk (entered at 0.050)
+             step(origin + 0.065, 0.010, (36, 20), (100, 20)),            # prompt 1 done, prompt 2 (entered 0.060)
+             StepStats(origin + 0.040, 0.002, 0, 1, 1, 0, 0, 0, 0.0, 0, worker="decode0")]  # (left out)
+    results = [RequestResult(0.0, 0.0, True, "", 40, 4, 0.014, 0.05),     # first token 1 ms after 0.013
+               RequestResult(0.050, 0.050, True, "", 100, 4, 0.027, 0.06),  # 2 ms after 0.075
+               RequestResult(0.060, 0.060, True, "", 20, 4, 0.0165, 0.06)]  # 1.5 ms after 0.075
+    run = RealRun(results, steps, [0.0, 0.050, 0.060], start=origin)
+    dispatch, output = fit_control_latency([run])
+    assert dispatch == pytest.approx(0.004)  # the median of 3 and 5 ms
+    assert output == pytest.approx(0.0015)
+    with pytest.raises(ValueError, match="one prefill worker"):
+        fit_control_latency([RealRun(results, [*steps, step(origin, 0.01, (8,), (8,), "prefill1")], run.entered,
+                                     start=origin)])
+    with pytest.raises(ValueError, match="matched 1 of 3"):  # (prompt 1 never completes)
+        fit_control_latency([RealRun(results, steps[:2], run.entered, start=origin)])

@@ -21,6 +21,12 @@ and the request decodes from its second token. With ``layerwise``, layers are se
 computes the next ones: the part of the transfer that fits in the prefill's last step is hidden, at
 least one layer's share never is (an approximation: it assumes the decode blocks were ready when the
 prefill began, as push mode arranges, and ignores that they were not).
+
+**Control messages** between processes take time (:attr:`ClusterSpec.dispatch_latency_s`,
+:attr:`ClusterSpec.output_latency_s`; 0 by default, as for an engine in the client's process): a request
+reaches its first instance that long after it arrives, every output reaches the client that long after its
+step, and a request moves on to its decode instance after both (the front end hears of the first token,
+then routes it).
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ class ClusterSpec:
     label: str = ""
     #: Where requests go and when a prompt is held back; None: the real cluster's :class:`Router`.
     router: Router | None = None
+    #: Control-plane latency (a message between processes; 0 for an engine in the client's process): from a
+    #: request's arrival to its first instance having it, and to a decode instance having it after its first
+    #: token (the front end routes it there on hearing of that token).
+    dispatch_latency_s: float = 0.0
+    #: From an instance's output to the client having it (every token; a decode hop hears of the first token
+    #: this late too).
+    output_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         roles = {spec.role for spec in self.instances}
@@ -86,6 +99,10 @@ class ClusterSpec:
             raise ValueError("a cluster is either colocated or disaggregated (prefill and decode instances)")
         if roles != {"colocated"} and roles != {"prefill", "decode"}:
             raise ValueError("a disaggregated cluster needs prefill and decode instances")
+        for name in ("dispatch_latency_s", "output_latency_s", "transfer_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
 
     @property
     def disaggregated(self) -> bool:
@@ -118,6 +135,11 @@ class ClusterSpec:
     def with_router(self, router: Router) -> ClusterSpec:
         """The same cluster routed by ``router`` (e.g. a subclass with another decode choice)."""
         return dataclasses.replace(self, router=router)
+
+    def with_control_latency(self, dispatch_s: float, output_s: float) -> ClusterSpec:
+        """The same cluster with its processes' messages taking time (see :attr:`dispatch_latency_s` and
+        :attr:`output_latency_s`; :func:`minipd.sim.validate.fit_control_latency` measures them)."""
+        return dataclasses.replace(self, dispatch_latency_s=dispatch_s, output_latency_s=output_s)
 
 
 @dataclass
@@ -302,9 +324,10 @@ class _Cluster:
 
     def _arrivals(self) -> Any:
         env = self.env
+        delay = self.spec.dispatch_latency_s  # (the same for every request: the order holds)
         for sim in self.requests:
-            if sim.arrival > env.now:
-                yield env.timeout(sim.arrival - env.now)
+            if sim.arrival + delay > env.now:
+                yield env.timeout(sim.arrival + delay - env.now)
             self.live[str(sim.index)] = sim
             if self.spec.disaggregated:
                 if self.backlog or not self._decode_has_room(sim):
@@ -370,7 +393,7 @@ class _Cluster:
 
     # ---------------------------------------------------------------------------- outputs
     def _on_outputs(self, instance: SimInstance, outputs: EngineCoreOutputs) -> None:
-        now = self.env.now
+        now = self.env.now + self.spec.output_latency_s  # when the client has them
         for out in outputs.outputs:
             sim = self.live[out.request_id]
             if sim.first_scheduled is None and out.first_scheduled_time is not None:
@@ -384,7 +407,11 @@ class _Cluster:
                     self._done(sim)
                 else:
                     self.held[out.request_id] = instance
-                    self._to_decode(sim, instance)
+                    hop = self.spec.output_latency_s + self.spec.dispatch_latency_s
+                    if hop > 0:
+                        self.env.process(self._to_decode_after(hop, sim, instance))
+                    else:
+                        self._to_decode(sim, instance)
             elif out.finished:
                 sim.finished = now
                 self._done(sim)
@@ -398,6 +425,10 @@ class _Cluster:
         if limit is not None and (now - sim.arrival) * 1000 > limit:
             verdict.judge(sim, False)
             self._end_if_over()
+
+    def _to_decode_after(self, seconds: float, sim: SimRequest, source: SimInstance) -> Any:
+        yield self.env.timeout(seconds)
+        self._to_decode(sim, source)
 
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
         self.prefilling.pop(str(sim.index), None)
@@ -429,7 +460,7 @@ class _Cluster:
                 visible = seconds
                 if spec.layerwise:
                     # Sent while the prefill's last step computed the later layers: hidden up to that step.
-                    waited = env.now - sim.token_times[0]
+                    waited = env.now - (sim.token_times[0] - spec.output_latency_s)  # since the prefill ended
                     hidden = max(0.0, source.last_step_duration - waited)
                     visible = max(seconds / spec.num_layers, seconds - hidden)
                 yield env.timeout(visible)

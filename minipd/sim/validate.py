@@ -6,12 +6,14 @@
 - :func:`instance_config` reads the engine settings a simulated instance needs from a real engine;
 - :class:`ReplayStepTime` gives the simulator the step durations a real run measured, in order, so the
   only thing left to compare is the scheduling (:func:`scheduling_agreement`);
-- :func:`fit_link` fits a transfer's fixed cost and bandwidth to the transfers a disaggregated run timed;
+- :func:`fit_link` fits a transfer's fixed cost and bandwidth to the transfers a disaggregated run timed, and
+  :func:`fit_control_latency` the time its control messages take (to the prefill worker, back to the client);
 - :func:`compare` puts the real and simulated latencies side by side.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gzip
 import itertools
@@ -262,6 +264,45 @@ def fit_link(transfers: Sequence[tuple[int, float]], name: str = "measured") -> 
     return Link(name, 1.0 / slope, intercept)
 
 
+def fit_control_latency(runs: Sequence[RealRun]) -> tuple[float, float]:
+    """(dispatch, output) seconds of a disaggregated engine's control messages, as
+    :meth:`~minipd.sim.cluster.ClusterSpec.with_control_latency` takes them, measured on real runs with one
+    prefill worker: each request's prompt is matched to the prefill step that completed it (first come, first
+    served: prompts complete in the order they entered). Dispatch is the median wait from a request's entry to
+    the start of its first prefill step over the requests that found that worker idle (no queue in it); output
+    is the median from the end of the step that completed its prompt to the client's first token."""
+    dispatch: list[float] = []
+    output: list[float] = []
+    for run in runs:
+        steps = sorted((s for s in run.steps if s.prefill_chunk_sizes and not s.worker.startswith("decode")),
+                       key=lambda s: s.start_time)
+        if len({s.worker for s in steps}) > 1:
+            raise ValueError("fit_control_latency matches prompts to steps in order: one prefill worker only")
+        order = sorted(range(len(run.results)), key=lambda i: run.entered[i])
+        completions = []  # (step index) per request, in entry order
+        for index, step in enumerate(steps):
+            for context in step.prefill_chunk_contexts:
+                if len(completions) < len(order) and context == run.results[order[len(completions)]].prompt_tokens:
+                    completions.append(index)
+        if len(completions) != len(order):
+            raise ValueError(f"matched {len(completions)} of {len(order)} prompts to prefill steps: not a run of "
+                             "one prefill worker serving in order, without a prefix cache")
+        starts = [s.start_time for s in steps]
+        for request, index in zip(order, completions, strict=True):
+            step, result = steps[index], run.results[request]
+            entered = run.start + run.entered[request]
+            # Its first chunk's step is the first to start after it entered, if the worker was idle then.
+            first = bisect.bisect_left(starts, entered)
+            before = steps[first - 1] if first else None
+            if first <= index and (before is None or before.start_time + before.duration <= entered):
+                dispatch.append(starts[first] - entered)
+            if result.ok:
+                output.append(run.start + result.intended + result.ttft - (step.start_time + step.duration))
+    if not dispatch or not output:
+        raise ValueError("no request found its prefill worker idle: run a lighter load to measure dispatch")
+    return max(0.0, float(np.median(dispatch))), max(0.0, float(np.median(output)))
+
+
 def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResult], slo: Slo | None = None
             ) -> dict[str, dict[str, float]]:
     """P50 and P90 of TTFT and TPOT (ms) and SLO attainment, real beside simulated, with the relative error."""
@@ -274,5 +315,5 @@ def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResu
     return table
 
 
-__all__ = ["RealRun", "ReplayStepTime", "compare", "fit_link", "instance_config", "load_runs", "run_core", "run_engine",
-           "scheduling_agreement"]
+__all__ = ["RealRun", "ReplayStepTime", "compare", "fit_control_latency", "fit_link", "instance_config", "load_runs",
+           "run_core", "run_engine", "scheduling_agreement"]
