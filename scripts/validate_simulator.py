@@ -3,16 +3,19 @@
 For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one decode worker), on tiny-py:
 
 1. a saturating run (every request at once) measures capacity (requests/s);
-2. calibration runs at 30%, 60% and 95% of capacity (their own seeds) fit the step-time models
-   (``FittedStepTime``; per worker for 1P1D, and the KV link from the measured transfers); held-out steps
+2. calibration runs at 30%, 60% and 95% of capacity (their own seeds, each just before step 3's runs at its
+   load) fit the step-time models
+   (``FittedStepTime``; per worker for 1P1D, the KV link from the measured transfers, and the control
+   messages' latency between the front end and the workers); held-out steps
    give the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
 3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
    latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment;
-4. goodput (90% of requests within the SLOs) found by the same search on the real engine and on the simulator.
+4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
+   simulator.
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json
 
-Keep the machine otherwise idle while it runs (about 10 minutes on 2 cores).
+Keep the machine otherwise idle while it runs (about 15 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
 from minipd.sim.search import find_goodput
-from minipd.sim.validate import compare, fit_link, instance_config, run_engine
+from minipd.sim.validate import compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
 FRACTIONS = (0.3, 0.6, 0.85, 0.95)
+CALIBRATION = (0.3, 0.6, 0.95)
 
 
 def cpu_label() -> str:
@@ -60,17 +64,21 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
     run_engine(engine, workload(8, 100.0, 99))  # warm-up
     saturating = run_engine(engine, workload(n, 1e6, 7))
     capacity = n / max(r.intended + r.e2el for r in saturating.results)
-    # Calibrated across loads (small, medium and big steps all seen), on seeds the comparisons do not use.
-    calibration = [run_engine(engine, workload(n, f * capacity, 100 + i)) for i, f in enumerate((0.3, 0.6, 0.95))]
+    # Calibrated across loads (small, medium and big steps all seen), on seeds the comparisons do not use, each
+    # calibration run taken just before the compared runs at its load: a shared machine's speed drifts by several
+    # percent over minutes, and a model fitted on the first minutes would be judged on the later ones.
+    calibration, measured = [], {}
+    for fraction in FRACTIONS:
+        if fraction in CALIBRATION:
+            calibration.append(run_engine(engine, workload(n, fraction * capacity, 100 + CALIBRATION.index(fraction))))
+        items = workload(n, fraction * capacity, int(fraction * 100))
+        measured[fraction] = items, run_engine(engine, items), run_engine(engine, items)
     models, errors = fit(calibration)
     spec = make_spec(models)
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
-    for fraction in FRACTIONS:
+    for fraction, (items, real, again) in measured.items():
         rate = fraction * capacity
-        items = workload(n, rate, int(fraction * 100))
-        real = run_engine(engine, items)
-        again = run_engine(engine, items)
         table = compare(real.results, simulate(spec, items), slo)
         repeat = compare(real.results, again.results, slo)
         for key, row in table.items():
@@ -78,12 +86,19 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
         rows.append({"fraction": fraction, "rate": rate, **table})
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
-    real_goodput, real_tried = find_goodput(lambda r: run_engine(engine, workload(n, r, 200)).results, slo,
-                                            start=0.5 * capacity, rel_tol=0.05, max_runs=8)
-    sim_goodput, sim_tried = find_goodput(lambda r: simulate(spec, workload(n, r, 200)).results(), slo,
-                                          start=0.5 * capacity, rel_tol=0.05, max_runs=8)
-    print(f"goodput real {real_goodput:.2f}, simulated {sim_goodput:.2f} req/s", flush=True)
-    goodput = {"real": real_goodput, "sim": sim_goodput, "real_tried": real_tried, "sim_tried": sim_tried}
+
+    def search(run_at):
+        return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
+
+    # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
+    # moves by a few points from run to run, and the bisection's answer with it.
+    real_goodput, real_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results)
+    again_goodput, again_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results)
+    sim_goodput, sim_tried = search(lambda r: simulate(spec, workload(n, r, 200)).results())
+    print(f"goodput real {real_goodput:.2f}, real again {again_goodput:.2f}, simulated {sim_goodput:.2f} req/s",
+          flush=True)
+    goodput = {"real": real_goodput, "sim": sim_goodput, "repeat": again_goodput, "real_tried": real_tried,
+               "sim_tried": sim_tried, "repeat_tried": again_tried}
     return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput}
 
 
@@ -132,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "noise_floor": noise_floor(samples), "model": models[role].describe()}
             models["link"] = fit_link([t for run in runs for t in run.transfers])
             errors["link"] = {"bandwidth": models["link"].bandwidth, "latency_s": models["link"].latency_s}
+            models["control"] = fit_control_latency(runs)
+            errors["control"] = {"dispatch_s": models["control"][0], "output_s": models["control"][1]}
             return models, errors
 
         def pd_spec(models):
@@ -142,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 InstanceSpec("prefill", models["prefill"], configs["prefill"]),
                 InstanceSpec("decode", models["decode"], configs["decode"]),
                 # The link is fitted to the part of each transfer the decode side waited for: sent whole.
-                kv_per_token, models["link"], layerwise=False, num_layers=layers)
+                kv_per_token, models["link"], layerwise=False, num_layers=layers
+            ).with_control_latency(*models["control"])  # (the front end and the workers are processes apart)
 
         report["1p1d"] = validate(pd, pd_spec, fit_pd, args.num_requests, slo, "1P1D (DisaggregatedLLM)")
         report["1p1d"]["engine"] = repr(pd)

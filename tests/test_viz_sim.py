@@ -74,7 +74,7 @@ def rows(rates, factor):
 
 def test_real_against_simulated_draws_a_row_per_engine_and_the_goodputs():
     runs = {"colocated": rows([1, 2, 4], 1.1), "1P1D": rows([1, 2], 0.9)}
-    axes = plot_real_vs_sim(runs, {"colocated": {"real": 10, "sim": 12}, "1P1D": {"real": 8, "sim": 6}},
+    axes = plot_real_vs_sim(runs, {"colocated": {"real": 10, "sim": 12, "repeat": 11}, "1P1D": {"real": 8, "sim": 6}},
                             machine="a test machine")
     assert axes.shape == (2, 3)
     line = by_gid(axes[0][0], "sim:median_ttft_ms")
@@ -83,6 +83,7 @@ def test_real_against_simulated_draws_a_row_per_engine_and_the_goodputs():
     assert by_gid(axes[0][1], "repeat:median_tpot_ms").get_offsets()[:, 1].tolist() == pytest.approx([11, 21, 41])
     heights = [p.get_height() for p in axes[1][2].patches if p.get_gid() == "goodput"]
     assert heights == [8, 6]
+    assert [p.get_height() for p in axes[0][2].patches if p.get_gid() == "goodput"] == [10, 12, 11]
     assert "-25%" in axes[1][2].get_title(loc="left")
     assert axes[0][0].figure._suptitle.get_text() == "a test machine"
     two = plot_real_vs_sim({"colocated": rows([1], 1.0)})

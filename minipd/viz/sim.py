@@ -126,7 +126,8 @@ def plot_real_vs_sim(runs: Mapping[str, Sequence[Mapping[str, Any]]], goodput: M
     ``p90_ttft_ms``, ``median_tpot_ms`` and ``p90_tpot_ms``, a dict with ``"real"`` and ``"sim"`` (and, optionally,
     ``"repeat"``: the same workload run for real a second time, the machine's own spread); the rows of
     :func:`minipd.sim.validate.compare` with a rate added, or of ``assets/sim/cpu_validation.json``. With
-    ``goodput`` (label → ``{"real": rate, "sim": rate}``) a third column compares the goodputs."""
+    ``goodput`` (label → ``{"real": rate, "sim": rate}``, optionally ``"repeat"``: the real search run again) a
+    third column compares the goodputs."""
     import matplotlib.pyplot as plt
 
     if not runs:
@@ -155,7 +156,12 @@ def plot_real_vs_sim(runs: Mapping[str, Sequence[Mapping[str, Any]]], goodput: M
         if goodput:
             ax = row_axes[2]
             g = goodput[label]
-            bars = ax.bar(["real", "simulated"], [g["real"], g["sim"]], color=[REAL, SIMULATED])
+            names, heights, colors = ["real", "simulated"], [g["real"], g["sim"]], [REAL, SIMULATED]
+            if "repeat" in g:
+                names.append("real again")
+                heights.append(g["repeat"])
+                colors.append("0.55")
+            bars = ax.bar(names, heights, color=colors)
             for bar in bars:
                 bar.set_gid("goodput")
             ax.bar_label(bars, fmt="%.1f", fontsize=8)
