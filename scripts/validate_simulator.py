@@ -4,10 +4,9 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
 
 1. a saturating run (every request at once) measures capacity (requests/s);
 2. calibration runs at 30%, 60% and 95% of capacity (their own seeds, each just before step 3's runs at its
-   load) fit the step-time models
-   (``FittedStepTime``; per worker for 1P1D, the KV link from the measured transfers, and the control
-   messages' latency between the front end and the workers); held-out steps
-   give the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
+   load) fit the step-time models (``FittedStepTime``; per worker for 1P1D, the KV link from the measured
+   transfers, and the control messages' latency between the front end and the workers); held-out steps give
+   the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
 3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
    latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment;
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
@@ -15,7 +14,7 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json
 
-Keep the machine otherwise idle while it runs (about 15 minutes on 2 cores).
+Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
 """
 
 from __future__ import annotations
