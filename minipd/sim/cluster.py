@@ -60,10 +60,17 @@ class InstanceSpec:
     count: int = 1
     #: Devices each instance spans (its tensor-parallel degree), for goodput per device.
     devices: int = 1
+    #: Instances sharing one machine's cores (:mod:`minipd.sim.sharing`): σ, how much slower each step of these
+    #: instances computes per other instance mid-step (a step wholly beside one other takes ``1 + σ`` times its
+    #: time alone). 0 for instances on devices of their own; when any instance of a cluster has one, all its
+    #: instances share the cores.
+    sharing_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.devices < 1:
             raise ValueError(f"count and devices must be >= 1, got {self.count} and {self.devices}")
+        if not (math.isfinite(self.sharing_slowdown) and self.sharing_slowdown >= 0):
+            raise ValueError(f"sharing_slowdown must be a finite number >= 0, got {self.sharing_slowdown!r}")
 
 
 @dataclass(frozen=True)
@@ -292,13 +299,19 @@ class _Cluster:
         self.backlog: list[SimRequest] = []
         self.prefilling: dict[str, int] = {}
         self._params: dict[int, SamplingParams] = {}
+        shared = None
+        if any(s.sharing_slowdown > 0 for s in spec.instances):
+            from minipd.sim.sharing import SharedCores
+
+            shared = SharedCores(self.env)
         for s in spec.instances:
             if hasattr(s.model, "bind"):  # a model that needs the simulation's clock (a replay)
                 s.model.bind(lambda: self.env.now)
             for index in range(s.count):
                 name = f"{s.role}{index}"
                 instance = SimInstance(self.env, name, s.role, s.model, s.config, self._on_outputs,
-                                       self._on_waiting_for_kv if s.role == "decode" else None, keep_timeline)
+                                       self._on_waiting_for_kv if s.role == "decode" else None, keep_timeline,
+                                       shared=shared, sharing_slowdown=s.sharing_slowdown)
                 self.instances[s.role].append(instance)
                 if s.role == "prefill":
                     self.links[name] = simpy.Resource(self.env, capacity=1)

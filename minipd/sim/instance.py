@@ -98,12 +98,15 @@ class SimInstance:
         on_waiting_for_kv: called with each request that the scheduler admitted to wait for its K/V
             (blocks allocated, nothing computed): the cluster starts its transfer then.
         keep_timeline: record every step (for plots).
+        shared: the cores this instance shares with the cluster's others (:class:`~minipd.sim.sharing.SharedCores`),
+            or None when its steps take the time the model gives.
+        sharing_slowdown: with ``shared``, how much slower it computes per other instance mid-step.
     """
 
     def __init__(self, env: Any, name: str, role: str, model: StepTimeModel, config: InstanceConfig,
                  on_outputs: Callable[[SimInstance, EngineCoreOutputs], None],
                  on_waiting_for_kv: Callable[[SimInstance, Request], None] | None = None,
-                 keep_timeline: bool = False) -> None:
+                 keep_timeline: bool = False, shared: Any = None, sharing_slowdown: float = 0.0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.env, self.name, self.role, self.config = env, name, role, config
@@ -113,6 +116,7 @@ class SimInstance:
         self.core = StepCore(scheduler, self.executor, config.max_model_len, clock=self._now, stats_history=1)
         self.on_outputs, self.on_waiting_for_kv = on_outputs, on_waiting_for_kv
         self.keep_timeline = keep_timeline
+        self.shared, self.sharing_slowdown = shared, sharing_slowdown
         self.stats = InstanceStats()
         #: How long the last step took (a layer-wise transfer hides behind the prefill's last step).
         self.last_step_duration = 0.0
@@ -163,7 +167,7 @@ class SimInstance:
 
     # ------------------------------------------------------------------------------ loop
     def _run(self) -> Iterator[Any]:
-        core, executor, stats = self.core, self.executor, self.stats
+        core, executor = self.core, self.executor
         while True:
             if not core.has_unfinished_requests():
                 self._wake = self.env.event()
@@ -178,16 +182,24 @@ class SimInstance:
                 self._wake = self.env.event()
                 yield self._wake
                 continue
-            work = executor.last_work
-            stats.busy_time += duration
-            stats.steps += 1
-            stats.prefill_tokens += work.prefill_tokens
-            stats.decode_tokens += work.decode_rows
-            if self.keep_timeline:
-                stats.timeline.append((start, duration, work.prefill_tokens, work.decode_rows))
-            yield self.env.timeout(duration)
+            if self.shared is None:
+                self._count_step(start, duration)
+                yield self.env.timeout(duration)
+            else:  # (it lasts as long as the others' steps beside it let it: counted once it has ended)
+                yield self.shared.run(self.name, duration, self.sharing_slowdown)
+                duration = self.env.now - start
+                self._count_step(start, duration)
             self.last_step_duration = duration
             self.on_outputs(self, outputs)
+
+    def _count_step(self, start: float, duration: float) -> None:
+        work, stats = self.executor.last_work, self.stats
+        stats.busy_time += duration
+        stats.steps += 1
+        stats.prefill_tokens += work.prefill_tokens
+        stats.decode_tokens += work.decode_rows
+        if self.keep_timeline:
+            stats.timeline.append((start, duration, work.prefill_tokens, work.decode_rows))
 
     def _announce_waiting(self) -> None:
         if self.on_waiting_for_kv is None:
