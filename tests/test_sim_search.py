@@ -137,6 +137,24 @@ def test_the_command_line_takes_efficiencies_refuses_bad_ones_and_uses_the_a100s
         simulate_main([*common, "--memory-efficiency", "1.5"])
 
 
+def test_the_command_line_adds_control_latency_to_every_placement(tmp_path):
+    plain, late = tmp_path / "plain.json", tmp_path / "late.json"
+    common = ["--model", "llama-3-8b", "--gpu", "h100", "--placement", "1P+1D", "--rate", "0.5", "--num-requests", "20"]
+    assert simulate_main([*common, "--json", str(plain)]) == 0
+    latency = ["--dispatch-latency-ms", "30", "--output-latency-ms", "20"]
+    assert simulate_main([*common, *latency, "--json", str(late)]) == 0
+    import json
+
+    fast, slow = json.loads(plain.read_text()), json.loads(late.read_text())
+    assert slow["dispatch_latency_s"] == pytest.approx(0.03) and slow["output_latency_s"] == pytest.approx(0.02)
+    # At a light load each first token comes both hops (50 ms) later.
+    assert slow["summary"]["median_ttft_ms"] - fast["summary"]["median_ttft_ms"] == pytest.approx(50, abs=5)
+    cluster = GpuCluster(preset("llama-3-8b"), H100_SXM, NVLINK4, dispatch_latency_s=0.002, output_latency_s=0.001)
+    assert all(spec.dispatch_latency_s == 0.002 and spec.output_latency_s == 0.001 for spec in placements(cluster, 2))
+    with pytest.raises(ValueError, match="--output-latency-ms must be"):
+        simulate_main([*common, "--output-latency-ms", "-1"])
+
+
 def test_the_command_line_calibrates_to_a_paper_before_it_runs(tmp_path, capsys):
     out = tmp_path / "calibrated.json"
     assert simulate_main(["--model", "llama-3-8b", "--gpu", "h100", "--calibrate", "distserve-figure1",

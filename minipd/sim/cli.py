@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 import time
@@ -98,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"share of its memory bandwidth (default {DEFAULT_MEMORY_EFFICIENCY:g})")
     parser.add_argument("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
                         help=f"fixed time a step (default {DEFAULT_STEP_OVERHEAD_S * 1e3:g})")
+    parser.add_argument("--dispatch-latency-ms", type=float, default=0.0,
+                        help="control messages: from a request's arrival to its first instance (default 0)")
+    parser.add_argument("--output-latency-ms", type=float, default=0.0,
+                        help="control messages: from an instance's output to the client, and to the router of a "
+                             "decode hop (default 0)")
     parser.add_argument("--calibrate", choices=sorted(CALIBRATIONS), default=None,
                         help="first fit the two efficiencies to a paper's single-phase figures (see "
                              "minipd.sim.calibrate; distserve-figure1: a 13B model on one A100)")
@@ -107,13 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for flag in ("dispatch_latency_ms", "output_latency_ms"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of milliseconds >= 0, got {value}")
     device = GPUS[args.gpu]
     # "nvlink" is the device's own generation: NVLink 3 between A100s.
     link = DEFAULT_LINKS.get(device.name, NVLINK4) if args.link == "nvlink" else LINKS[args.link]
     cluster = GpuCluster(preset(args.model), device, link, layerwise=args.layerwise,
                          colocated_batched_tokens=args.chunk, colocated_policy=args.policy,
                          compute_efficiency=args.compute_efficiency, memory_efficiency=args.memory_efficiency,
-                         step_overhead_s=args.step_overhead_ms / 1e3)
+                         step_overhead_s=args.step_overhead_ms / 1e3, dispatch_latency_s=args.dispatch_latency_ms / 1e3,
+                         output_latency_s=args.output_latency_ms / 1e3)
     cluster.step_model(1)  # refuses efficiencies outside (0, 1] and a negative overhead before any work
     needs_slo = args.goodput or args.search is not None
     if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
@@ -132,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           args.duration)
     report.update({"model": args.model, "gpu": device.name, "link": link.name, "layerwise": args.layerwise,
                    "slo": vars(slo), "compute_efficiency": cluster.compute_efficiency,
-                   "memory_efficiency": cluster.memory_efficiency, "step_overhead_s": cluster.step_overhead_s})
+                   "memory_efficiency": cluster.memory_efficiency, "step_overhead_s": cluster.step_overhead_s,
+                   "dispatch_latency_s": cluster.dispatch_latency_s, "output_latency_s": cluster.output_latency_s})
     if args.search is not None:
         started = time.perf_counter()
         ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, verify=1,

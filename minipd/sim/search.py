@@ -140,6 +140,10 @@ class GpuCluster:
     compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    #: Control-plane latency of every placement (see :attr:`ClusterSpec.dispatch_latency_s` and
+    #: :attr:`ClusterSpec.output_latency_s`): a front end in another process than the engine pays both.
+    dispatch_latency_s: float = 0.0
+    output_latency_s: float = 0.0
 
     def step_model(self, tp: int) -> RooflineStepTime:
         return RooflineStepTime(self.model, self.device, tp=tp, dtype_bytes=self.dtype_bytes,
@@ -161,7 +165,8 @@ class GpuCluster:
         return self.step_model(tp).kv_capacity_tokens(self.device.memory_bytes) >= self.block_size * 64
 
     def colocated(self, count: int, tp: int) -> ClusterSpec:
-        return ClusterSpec.colocated(self.step_model(tp), self.config(tp, "colocated"), count, tp)
+        return ClusterSpec.colocated(self.step_model(tp), self.config(tp, "colocated"), count, tp
+                                     ).with_control_latency(self.dispatch_latency_s, self.output_latency_s)
 
     def disaggregated(self, prefill: int, tp_prefill: int, decode: int, tp_decode: int) -> ClusterSpec:
         return ClusterSpec.disaggregated_cluster(
@@ -169,7 +174,7 @@ class GpuCluster:
                          tp_prefill),
             InstanceSpec("decode", self.step_model(tp_decode), self.config(tp_decode, "decode"), decode, tp_decode),
             kv_bytes_per_token(self.model, self.dtype_bytes), self.link, self.layerwise,
-            self.model.num_hidden_layers)
+            self.model.num_hidden_layers).with_control_latency(self.dispatch_latency_s, self.output_latency_s)
 
 
 def placements(cluster: GpuCluster, devices: int, tps: Sequence[int] = (1, 2, 4, 8),
