@@ -3,6 +3,8 @@ engine's own scheduling decisions (preemption, waiting for K/V), and the KV link
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -72,10 +74,11 @@ def test_every_request_finishes_or_is_counted_dropped_and_every_block_comes_back
     config = InstanceConfig(num_kv_blocks=40, block_size=16, max_num_batched_tokens=128, max_num_seqs=32)
     workload = synthetic_workload(300, 200, "16:200", "4:100", seed=7)
     workload.append(PlannedRequest(workload[-1].send_at, 2000, 10))  # could never fit 40 blocks of 16
-    for spec in (ClusterSpec.colocated(Linear(), config, 2),
-                 ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), config),
-                                                   InstanceSpec("decode", Linear(), config, 2), 1000.0,
-                                                   Link("test", 1e9, 1e-5))):
+    disaggregated = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), config),
+                                                      InstanceSpec("decode", Linear(), config, 2), 1000.0,
+                                                      Link("test", 1e9, 1e-5))
+    for spec in (ClusterSpec.colocated(Linear(), config, 2), disaggregated,
+                 dataclasses.replace(disaggregated, push=True).with_control_latency(1e-3, 1e-3)):
         result = simulate(spec, workload)
         dropped = [r for r in result.requests if r.dropped]
         assert [r.prompt_len for r in dropped] == [2000]
@@ -231,3 +234,25 @@ def test_control_messages_delay_the_first_token_by_both_hops_and_decode_by_both_
         spec.with_control_latency(-0.001, 0.0)
     with pytest.raises(ValueError, match="output_latency_s"):
         spec.with_control_latency(0.0, float("nan"))
+
+
+def test_pushed_kv_leave_at_the_prefills_end_and_overlap_the_hand_over_to_decode():
+    """Push: blocks reserved on the decode instance before the prefill, K/V sent as soon as the prompt is computed.
+    The second token comes once both the K/V (transfer T) and the request (the front end's two hops, o + d) are
+    at the decode instance: max(T, o + d) after the prefill, where pull pays o + d, then T."""
+    config = InstanceConfig(num_kv_blocks=200, block_size=16)
+    step = 0.01
+    for transfer, hops in ((0.020, 0.004), (0.002, 0.009)):
+        spec = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(0.002, 1e-5, 0), config),
+                                                 InstanceSpec("decode", Linear(step, 0, 0), config), 0.0,
+                                                 Link("test", 1e9, transfer)).with_control_latency(hops / 2, hops / 2)
+        workload = [PlannedRequest(0.5, 120, 4)]
+        pulled = simulate(spec, workload).requests[0]
+        pushed = simulate(dataclasses.replace(spec, push=True), workload).requests[0]
+        assert pushed.ttft == pytest.approx(pulled.ttft)  # (an idle decode instance reserves at once)
+        first_gap = pushed.token_times[1] - pushed.token_times[0]
+        # From the client's first token (o after the prefill) to its second (o after the decode step).
+        assert first_gap == pytest.approx(max(transfer, hops) + step)
+        assert pulled.token_times[1] - pulled.token_times[0] == pytest.approx(hops + transfer + step)
+        assert pushed.transfer_start == pytest.approx(pushed.token_times[0] - hops / 2)  # at the prefill's end
+        assert np.diff(pushed.token_times[1:]) == pytest.approx([step] * 2)

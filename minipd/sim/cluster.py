@@ -97,6 +97,12 @@ class ClusterSpec:
     #: From an instance's output to the client having it (every token; a decode hop hears of the first token
     #: this late too).
     output_latency_s: float = 0.0
+    #: Push (minipd's ``kv_transfer="push"`` and ``"layerwise"``, Mooncake): blocks are reserved on a decode
+    #: instance before the prefill starts, and the prefill instance sends the K/V as soon as the prompt is
+    #: computed, while the first token travels to the client and the request to its decode instance. Pull (False;
+    #: vLLM's NIXL connector, DistServe): the decode instance is chosen after the first token and reads the K/V
+    #: once it has admitted the request.
+    push: bool = False
 
     def __post_init__(self) -> None:
         roles = {spec.role for spec in self.instances}
@@ -135,9 +141,10 @@ class ClusterSpec:
     @classmethod
     def disaggregated_cluster(cls, prefill: InstanceSpec, decode: InstanceSpec, kv_bytes_per_token: float,
                               link: Link | None, layerwise: bool = False, num_layers: int = 1,
-                              transfer_overhead_s: float = 0.0, label: str = "") -> ClusterSpec:
+                              transfer_overhead_s: float = 0.0, label: str = "", push: bool = False) -> ClusterSpec:
         """Prefill instances and decode instances joined by ``link``."""
-        return cls((prefill, decode), kv_bytes_per_token, link, layerwise, num_layers, transfer_overhead_s, label)
+        return cls((prefill, decode), kv_bytes_per_token, link, layerwise, num_layers, transfer_overhead_s, label,
+                   push=push)
 
     def with_router(self, router: Router) -> ClusterSpec:
         """The same cluster routed by ``router`` (e.g. a subclass with another decode choice)."""
@@ -298,6 +305,8 @@ class _Cluster:
         #: on its decode instance (by request id).
         self.backlog: list[SimRequest] = []
         self.prefilling: dict[str, int] = {}
+        #: Push: requests whose decode blocks are being reserved, before their prefill.
+        self.reserving: dict[str, SimRequest] = {}
         self._params: dict[int, SamplingParams] = {}
         shared = None
         if any(s.sharing_slowdown > 0 for s in spec.instances):
@@ -366,9 +375,22 @@ class _Cluster:
         return self.router.decode_has_room(self.instances["decode"], list(self.prefilling.values()), needed)
 
     def _to_prefill(self, sim: SimRequest) -> None:
+        if self.spec.push and sim.output_len > 1:
+            # Reserve first: the decode request waits for its K/V in blocks of its own (its scheduler allocates
+            # them at its next step), and its prompt goes to a prefill instance once they are held.
+            decode = self.router.decode_worker(self.instances["decode"])
+            sim.decode_instance = decode.name
+            self.reserving[str(sim.index)] = sim
+            if not self._admit(sim, decode, self._request(sim, decode, "decode")):
+                del self.reserving[str(sim.index)]
+            return
+        self._prefill(sim)
+
+    def _prefill(self, sim: SimRequest) -> None:
         instance = self.router.prefill_worker(self.instances["prefill"])
         sim.prefill_instance = instance.name
-        if self._admit(sim, instance, self._request(sim, instance, "prefill")) and sim.output_len > 1:
+        if self._admit(sim, instance, self._request(sim, instance, "prefill")) and sim.output_len > 1 \
+                and not self.spec.push:  # (pushed requests hold their decode blocks already)
             self.prefilling[str(sim.index)] = self._blocks_for(sim)
 
     def _admit_backlog(self) -> None:
@@ -418,6 +440,8 @@ class _Cluster:
                 if sim.output_len == 1:
                     sim.finished = now
                     self._done(sim)
+                elif self.spec.push:
+                    self.env.process(self._push(sim, instance))
                 else:
                     self.held[out.request_id] = instance
                     hop = self.spec.output_latency_s + self.spec.dispatch_latency_s
@@ -455,12 +479,16 @@ class _Cluster:
                 self._admit_backlog()
 
     def _on_waiting_for_kv(self, decode: SimInstance, request: Request) -> None:
+        if self.spec.push:
+            sim = self.reserving.pop(request.request_id, None)
+            if sim is not None:  # its blocks are held: the prompt may be computed
+                self._prefill(sim)
+            return
         self.env.process(self._transfer(decode, request.request_id))
 
-    def _transfer(self, decode: SimInstance, request_id: str) -> Any:
+    def _send(self, sim: SimRequest, source: SimInstance) -> Any:
+        """Move ``sim``'s K/V over ``source``'s link (one transfer at a time), then free them at the source."""
         env, spec = self.env, self.spec
-        source = self.held.pop(request_id)
-        sim = self.live[request_id]
         link = spec.link
         if link is None:
             sim.transfer_start = sim.transfer_end = env.now
@@ -478,8 +506,21 @@ class _Cluster:
                     visible = max(seconds / spec.num_layers, seconds - hidden)
                 yield env.timeout(visible)
                 sim.transfer_end = env.now
-        source.release_kv(request_id)
+        source.release_kv(str(sim.index))
+
+    def _transfer(self, decode: SimInstance, request_id: str) -> Any:
+        yield from self._send(self.live[request_id], self.held.pop(request_id))
         decode.kv_arrived(request_id)
+
+    def _push(self, sim: SimRequest, source: SimInstance) -> Any:
+        """Push: the K/V leave at once; the decode instance computes once they are in and it has the request
+        (the front end hands it over on hearing of the first token: both control hops)."""
+        handed_over = self.env.now + self.spec.output_latency_s + self.spec.dispatch_latency_s
+        yield from self._send(sim, source)
+        if handed_over > self.env.now:
+            yield self.env.timeout(handed_over - self.env.now)
+        decode = next(d for d in self.instances["decode"] if d.name == sim.decode_instance)
+        decode.kv_arrived(str(sim.index))
 
 
 def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_timeline: bool = False,
