@@ -8,11 +8,13 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
    transfers, and the control messages' latency between the front end and the workers); held-out steps give
    the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
 3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
-   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment;
+   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment (1P1D: the K/V pushed as the
+   engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down on
+   the shared cores: ``minipd.sim.sharing``);
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
    simulator.
 
-    python scripts/validate_simulator.py --out assets/sim/cpu_validation.json
+    python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
 
 Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
 """
@@ -20,6 +22,7 @@ Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -30,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
+
 from minipd import LLM
 from minipd.pd.llm import DisaggregatedLLM
 from minipd.serve.loadgen import Slo
@@ -37,6 +42,7 @@ from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
 from minipd.sim.search import find_goodput
+from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
 from minipd.sim.validate import compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
@@ -58,7 +64,8 @@ def workload(n: int, rate: float, seed: int) -> list:
     return synthetic_workload(n, rate, PROMPTS, OUTPUTS, seed=seed)
 
 
-def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
+def validate(engine, make_spec, fit, n: int, slo: Slo, label: str, variant=None) -> dict:
+    """``variant``: (name, make_spec) of a second model simulated beside, its table kept in each row under name."""
     print(f"== {label}", flush=True)
     run_engine(engine, workload(8, 100.0, 99))  # warm-up
     saturating = run_engine(engine, workload(n, 1e6, 7))
@@ -85,6 +92,12 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
         rows.append({"fraction": fraction, "rate": rate, **table})
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
+        if variant is not None:
+            name, make_variant = variant
+            other = compare(real.results, simulate(make_variant(models), items), slo)
+            rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
+            print(f"  {name}: " + ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in other.items()),
+                  flush=True)
 
     def search(run_at):
         return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
@@ -98,12 +111,16 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str) -> dict:
           flush=True)
     goodput = {"real": real_goodput, "sim": sim_goodput, "repeat": again_goodput, "real_tried": real_tried,
                "sim_tried": sim_tried, "repeat_tried": again_tried}
-    return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput}
+    runs = {"calibration": [run.to_json() for run in calibration],
+            "measured": {str(f): [real.to_json(), again.to_json()] for f, (_, real, again) in measured.items()}}
+    return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--runs-out", help="also write every real run's steps and latencies here (.json.gz), "
+                                           "to fit other models to them later")
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
@@ -134,35 +151,67 @@ def main(argv: list[str] | None = None) -> int:
     with DisaggregatedLLM("tiny-py", enable_prefix_caching=False) as pd:
         blocks = {w.role: w.num_blocks for w in pd.workers.workers.values()}
 
+        engines = pd.describe()
+        # (A decode worker's steps are small, one thread each, their cost not linear in rows from 1 to 128: ranges
+        # finer at the small end than the colocated engine's, whose steps of up to 32 tokens take one thread.)
+        decode_splits = (1, 4, 32, 128)
+
         def fit_pd(runs):
             models, errors = {}, {}
             for role in ("prefill", "decode"):
-                samples = [x for run in runs for x in timed_steps([s for s in run.steps if s.worker.startswith(role)])]
-                train, test = held_out_split(samples)
-                # (Prefill steps are all big: one range. Decode steps are small: the colocated ranges.)
-                ranges = () if role == "prefill" else splits
+                samples, overlaps = [], []
+                for run in runs:
+                    mine = [s for s in run.steps if s.worker.startswith(role)]
+                    others = [s for s in run.steps if s.worker and not s.worker.startswith(role)]
+                    samples += timed_steps(mine)
+                    overlaps += step_overlaps(mine, [others])
+                # (Prefill steps are all big: one range. Decode steps are small: the worker's ranges.)
+                ranges = () if role == "prefill" else decode_splits
+                train, test = held_out_split(list(zip(samples, overlaps, strict=True)))
+                train_samples, test_samples = [x for x, _ in train], [x for x, _ in test]
                 models[role] = FittedStepTime.fit(samples, ranges)
-                errors[role] = {"mape": FittedStepTime.fit(train, ranges).mape(test),
-                                "noise_floor": noise_floor(samples), "model": models[role].describe()}
+                # The variant: the two workers share this machine's cores, each step's time alone and how much
+                # the other worker's steps beside it slow it fitted together (minipd.sim.sharing).
+                models[f"{role} shared"] = fit_shared(samples, overlaps, ranges)
+                held = fit_shared(train_samples, [o for _, o in train], ranges)
+                errors[role] = {"mape": FittedStepTime.fit(train_samples, ranges).mape(test_samples),
+                                "noise_floor": noise_floor(samples), "model": models[role].describe(),
+                                "shared_cores": {
+                                    "mape": float(np.abs(shared_errors(*held, test_samples,
+                                                                       [o for _, o in test])).mean()),
+                                    "sharing_slowdown": models[f"{role} shared"][1],
+                                    "overlapped_share": sum(overlaps) / sum(t for _, t in samples)}}
             models["link"] = fit_link([t for run in runs for t in run.transfers])
             errors["link"] = {"bandwidth": models["link"].bandwidth, "latency_s": models["link"].latency_s}
             models["control"] = fit_control_latency(runs)
             errors["control"] = {"dispatch_s": models["control"][0], "output_s": models["control"][1]}
             return models, errors
 
-        def pd_spec(models):
+        def pd_spec(models, shared_cores=False):
             import dataclasses
 
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
+
+            def instance(role):
+                if shared_cores:
+                    model, slowdown = models[f"{role} shared"]
+                    return InstanceSpec(role, model, configs[role], sharing_slowdown=slowdown)
+                return InstanceSpec(role, models[role], configs[role])
+
+            # Pushed, as the engine's kv_transfer="layerwise" does: decode blocks reserved before the prefill,
+            # K/V sent from its end (the link is fitted to the part of each transfer the decode side waited
+            # for: sent whole) while the first token goes to the client and the request to the decode worker.
             return ClusterSpec.disaggregated_cluster(
-                InstanceSpec("prefill", models["prefill"], configs["prefill"]),
-                InstanceSpec("decode", models["decode"], configs["decode"]),
-                # The link is fitted to the part of each transfer the decode side waited for: sent whole.
-                kv_per_token, models["link"], layerwise=False, num_layers=layers
+                instance("prefill"), instance("decode"), kv_per_token, models["link"], layerwise=False,
+                num_layers=layers, push=engines["kv_transfer"] != "pull",
             ).with_control_latency(*models["control"])  # (the front end and the workers are processes apart)
 
-        report["1p1d"] = validate(pd, pd_spec, fit_pd, args.num_requests, slo, "1P1D (DisaggregatedLLM)")
+        report["1p1d"] = validate(pd, pd_spec, fit_pd, args.num_requests, slo, "1P1D (DisaggregatedLLM)",
+                                  variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)))
         report["1p1d"]["engine"] = repr(pd)
+    runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
+    if args.runs_out:
+        Path(args.runs_out).write_bytes(gzip.compress(json.dumps(runs).encode()))
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
     return 0
