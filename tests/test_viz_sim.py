@@ -86,6 +86,14 @@ def test_real_against_simulated_draws_a_row_per_engine_and_the_goodputs():
     assert [p.get_height() for p in axes[0][2].patches if p.get_gid() == "goodput"] == [10, 12, 11]
     assert "-25%" in axes[1][2].get_title(loc="left")
     assert axes[0][0].figure._suptitle.get_text() == "a test machine"
+    # A second simulation kept in the rows is drawn dotted, where an engine has it.
+    shared = rows([1, 2], 1.2)
+    for row in shared:
+        row["shared_cores"] = {k: {"sim": v["sim"] * 2} for k, v in row.items() if k.endswith("_ms")}
+    axes = plot_real_vs_sim({"colocated": rows([1, 2], 1.0), "1P1D": shared}, variants={"shared_cores": "cores shared"})
+    assert not gids(axes[0][0], "shared_cores:")
+    assert list(by_gid(axes[1][0], "shared_cores:median_ttft_ms").get_ydata()) == pytest.approx([24, 48])
+    assert gids(axes[1][1], "shared_cores:") == ["shared_cores:median_tpot_ms"]
     two = plot_real_vs_sim({"colocated": rows([1], 1.0)})
     assert two.shape == (1, 2)
     with pytest.raises(ValueError):

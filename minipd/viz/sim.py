@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 #: Colours of the placements' kinds in every figure of the chapter.
 KIND_COLORS = {"colocated": "tab:blue", "disaggregated": "tab:orange"}
 REAL, SIMULATED = "0.15", "tab:red"
+VARIANT_COLORS = ("tab:purple", "tab:olive")
 
 
 def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
@@ -119,7 +120,8 @@ def plot_replay(real: Sequence[RequestResult], simulated: Sequence[RequestResult
 
 
 def plot_real_vs_sim(runs: Mapping[str, Sequence[Mapping[str, Any]]], goodput: Mapping[str, Mapping[str, float]]
-                     | None = None, axes: Any = None, machine: str = "") -> Any:
+                     | None = None, axes: Any = None, machine: str = "", variants: Mapping[str, str] | None = None
+                     ) -> Any:
     """Real against simulated latency percentiles as the rate grows, one row of panels per engine.
 
     ``runs`` maps a label (``"colocated"``) to rows, each with ``"rate"`` and, for ``median_ttft_ms``,
@@ -127,7 +129,9 @@ def plot_real_vs_sim(runs: Mapping[str, Sequence[Mapping[str, Any]]], goodput: M
     ``"repeat"``: the same workload run for real a second time, the machine's own spread); the rows of
     :func:`minipd.sim.validate.compare` with a rate added, or of ``assets/sim/cpu_validation.json``. With
     ``goodput`` (label → ``{"real": rate, "sim": rate}``, optionally ``"repeat"``: the real search run again) a
-    third column compares the goodputs."""
+    third column compares the goodputs. ``variants`` (a row key → its legend label) draws the P50s of another
+    simulation kept in the rows under that key (as ``scripts/validate_simulator.py`` keeps ``"shared_cores"``),
+    dotted, where an engine's rows have it."""
     import matplotlib.pyplot as plt
 
     if not runs:
@@ -146,6 +150,10 @@ def plot_real_vs_sim(runs: Mapping[str, Sequence[Mapping[str, Any]]], goodput: M
                         label=f"real {pretty}", gid=f"real:{key}")
                 ax.plot(rates, [r[key]["sim"] for r in rows], ls=ls, marker=marker, color=SIMULATED, mfc="none",
                         label=f"simulated {pretty}", gid=f"sim:{key}")
+                for (variant, name_of), color in zip((variants or {}).items(), VARIANT_COLORS, strict=False):
+                    if pct == "median" and all(variant in r for r in rows):
+                        ax.plot(rates, [r[variant][key]["sim"] for r in rows], ls=":", marker="^", color=color,
+                                mfc="none", label=f"{name_of} P50", gid=f"{variant}:{key}")
                 if all("repeat" in r[key] for r in rows):
                     ax.scatter(rates, [r[key]["repeat"] for r in rows], marker="x", color="0.55", zorder=3,
                                label="real again" if pct == "median" else None, gid=f"repeat:{key}")
