@@ -11,6 +11,7 @@
   scheduler on a step-time model and a simulated clock), :mod:`~minipd.sim.cluster` (arrivals, router,
   colocated or prefill/decode instances, the KV link, on simpy), :mod:`~minipd.sim.fitted` (step times
   fitted to a real run), :mod:`~minipd.sim.search` (goodput, placements), :mod:`~minipd.sim.calibrate` (the
-  roofline fitted to a paper's published goodputs), :mod:`~minipd.sim.validate`
+  roofline fitted to a paper's published goodputs), :mod:`~minipd.sim.sharing` (instances slowing each other
+  down on one machine's cores), :mod:`~minipd.sim.validate`
   (real runs beside simulated ones) and :mod:`~minipd.sim.cli` (``python -m minipd simulate``).
 """
