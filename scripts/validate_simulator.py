@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     others = [s for s in run.steps if s.worker and not s.worker.startswith(role)]
                     samples += timed_steps(mine)
                     overlaps += step_overlaps(mine, [others])
-                # (Prefill steps are all big: one range. Decode steps are small: the worker's ranges.)
+                # (Prefill steps are all big: one range. Decode steps are small: the finer ranges above.)
                 ranges = () if role == "prefill" else decode_splits
                 train, test = held_out_split(list(zip(samples, overlaps, strict=True)))
                 train_samples, test_samples = [x for x, _ in train], [x for x, _ in test]

@@ -15,6 +15,11 @@ seconds alone that overlaps others for ``o`` of its seconds lasts ``d = W + o·�
   each step moves whenever another one starts or ends.
 - :func:`step_overlaps` measures, from a real run's step records, how long each step of a worker overlapped the
   other workers' steps; :func:`fit_shared` fits a step model (the time alone) and σ to the measured steps.
+
+Measured on two shared cores (``scripts/validate_simulator.py``, README): it predicts single prefill steps better
+than a per-worker fit, but simulated queues came out longer than the engine's under load: the cores are shared with
+the front end and the rest of the machine too, so what one run fits as "the other worker" is not what the next
+one meets. An option to study, not the validation's default.
 """
 
 from __future__ import annotations
