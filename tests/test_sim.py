@@ -249,10 +249,32 @@ def test_pushed_kv_leave_at_the_prefills_end_and_overlap_the_hand_over_to_decode
         workload = [PlannedRequest(0.5, 120, 4)]
         pulled = simulate(spec, workload).requests[0]
         pushed = simulate(dataclasses.replace(spec, push=True), workload).requests[0]
-        assert pushed.ttft == pytest.approx(pulled.ttft)  # (an idle decode instance reserves at once)
+        # The reservation's reply and the prompt's dispatch come first (an idle decode instance reserves at once).
+        assert pushed.ttft == pytest.approx(pulled.ttft + hops)
         first_gap = pushed.token_times[1] - pushed.token_times[0]
         # From the client's first token (o after the prefill) to its second (o after the decode step).
         assert first_gap == pytest.approx(max(transfer, hops) + step)
         assert pulled.token_times[1] - pulled.token_times[0] == pytest.approx(hops + transfer + step)
         assert pushed.transfer_start == pytest.approx(pushed.token_times[0] - hops / 2)  # at the prefill's end
         assert np.diff(pushed.token_times[1:]) == pytest.approx([step] * 2)
+
+
+def test_a_pushed_request_the_prefill_refuses_gives_its_reserved_blocks_back():
+    """Push reserves decode blocks before the prefill sees the prompt: a prompt the prefill instance cannot hold is
+    dropped and its reservation freed, so the requests behind it still run; one that ends at its first token
+    frees its reservation too."""
+    small, large = InstanceConfig(num_kv_blocks=10, block_size=16), InstanceConfig(num_kv_blocks=40, block_size=16)
+    spec = dataclasses.replace(ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), small),
+                                                                 InstanceSpec("decode", Linear(), large), 100.0,
+                                                                 Link("test", 1e9, 1e-4)), push=True)
+    workload = [PlannedRequest(0.0, 300, 5), PlannedRequest(0.1, 100, 5), PlannedRequest(0.2, 400, 5),
+                PlannedRequest(0.3, 120, 1), *[PlannedRequest(0.4 + 0.01 * i, 150, 6) for i in range(8)]]
+    result = simulate(spec, workload)
+    assert [r.index for r in result.requests if r.dropped] == [0, 2]
+    assert all("prefill0" in r.dropped for r in result.requests if r.dropped)
+    for r in result.requests:
+        if not r.dropped:
+            assert len(r.token_times) == r.output_len and r.finished is not None
+    # 8 prompts of 150 tokens (10 blocks each) pass through a decode pool of 40 blocks: only if every
+    # reservation, the dropped ones' and the one-token request's included, came back.
+    assert result.summary()["completed"] == len(workload) - 2

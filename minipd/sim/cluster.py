@@ -98,10 +98,12 @@ class ClusterSpec:
     #: this late too).
     output_latency_s: float = 0.0
     #: Push (minipd's ``kv_transfer="push"`` and ``"layerwise"``, Mooncake): blocks are reserved on a decode
-    #: instance before the prefill starts, and the prefill instance sends the K/V as soon as the prompt is
-    #: computed, while the first token travels to the client and the request to its decode instance. Pull (False;
-    #: vLLM's NIXL connector, DistServe): the decode instance is chosen after the first token and reads the K/V
-    #: once it has admitted the request.
+    #: instance before the prefill starts (the request reaches it after ``dispatch_latency_s``, the prompt reaches
+    #: a prefill instance a reply and a dispatch later), and the prefill instance sends the K/V as soon as the
+    #: prompt is computed, while the first token travels to the client and the request to its decode instance.
+    #: Pull (False; vLLM's NIXL connector, DistServe): the decode instance is chosen after the first token and
+    #: reads the K/V once it has admitted the request. (A reservation here waits in the decode instance's queue
+    #: like any request, where minipd's workers take it between steps whatever their batch holds.)
     push: bool = False
 
     def __post_init__(self) -> None:
@@ -375,9 +377,10 @@ class _Cluster:
         return self.router.decode_has_room(self.instances["decode"], list(self.prefilling.values()), needed)
 
     def _to_prefill(self, sim: SimRequest) -> None:
-        if self.spec.push and sim.output_len > 1:
+        if self.spec.push:
             # Reserve first: the decode request waits for its K/V in blocks of its own (its scheduler allocates
-            # them at its next step), and its prompt goes to a prefill instance once they are held.
+            # them at its next step), and its prompt goes to a prefill instance once they are held. (As the engine
+            # does, even for a request that will end at its first token.)
             decode = self.router.decode_worker(self.instances["decode"])
             sim.decode_instance = decode.name
             self.reserving[str(sim.index)] = sim
@@ -386,12 +389,26 @@ class _Cluster:
             return
         self._prefill(sim)
 
+    def _prefill_after(self, seconds: float, sim: SimRequest) -> Any:
+        yield self.env.timeout(seconds)
+        self._prefill(sim)
+
     def _prefill(self, sim: SimRequest) -> None:
         instance = self.router.prefill_worker(self.instances["prefill"])
         sim.prefill_instance = instance.name
-        if self._admit(sim, instance, self._request(sim, instance, "prefill")) and sim.output_len > 1 \
-                and not self.spec.push:  # (pushed requests hold their decode blocks already)
+        if not self._admit(sim, instance, self._request(sim, instance, "prefill")):
+            if self.spec.push:  # refused after its decode blocks were reserved: they go back
+                self._release_reservation(sim)
+            return
+        if sim.output_len > 1 and not self.spec.push:  # (pushed requests hold their decode blocks already)
             self.prefilling[str(sim.index)] = self._blocks_for(sim)
+
+    def _release_reservation(self, sim: SimRequest) -> None:
+        self._decode_instance(sim).release_kv(str(sim.index))
+        self._admit_backlog()
+
+    def _decode_instance(self, sim: SimRequest) -> SimInstance:
+        return next(d for d in self.instances["decode"] if d.name == sim.decode_instance)
 
     def _admit_backlog(self) -> None:
         while self.backlog and self._decode_has_room(self.backlog[0]):
@@ -440,6 +457,8 @@ class _Cluster:
                 if sim.output_len == 1:
                     sim.finished = now
                     self._done(sim)
+                    if self.spec.push:
+                        self._release_reservation(sim)
                 elif self.spec.push:
                     self.env.process(self._push(sim, instance))
                 else:
@@ -481,8 +500,12 @@ class _Cluster:
     def _on_waiting_for_kv(self, decode: SimInstance, request: Request) -> None:
         if self.spec.push:
             sim = self.reserving.pop(request.request_id, None)
-            if sim is not None:  # its blocks are held: the prompt may be computed
-                self._prefill(sim)
+            if sim is not None:  # its blocks are held: the front end hears so, then sends the prompt on
+                hops = self.spec.output_latency_s + self.spec.dispatch_latency_s
+                if hops > 0:
+                    self.env.process(self._prefill_after(hops, sim))
+                else:
+                    self._prefill(sim)
             return
         self.env.process(self._transfer(decode, request.request_id))
 
@@ -519,8 +542,7 @@ class _Cluster:
         yield from self._send(sim, source)
         if handed_over > self.env.now:
             yield self.env.timeout(handed_over - self.env.now)
-        decode = next(d for d in self.instances["decode"] if d.name == sim.decode_instance)
-        decode.kv_arrived(str(sim.index))
+        self._decode_instance(sim).kv_arrived(str(sim.index))
 
 
 def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_timeline: bool = False,

@@ -204,8 +204,9 @@ class SimInstance:
     def _announce_waiting(self) -> None:
         if self.on_waiting_for_kv is None:
             return
-        for request_id, request in self.core.scheduler.waiting_for_kv.items():
-            if request_id not in self._announced:
+        waiting = self.core.scheduler.waiting_for_kv
+        for request_id, request in list(waiting.items()):  # (a callback may release one: a copy)
+            if request_id not in self._announced and request_id in waiting:
                 self._announced.add(request_id)
                 self.on_waiting_for_kv(self, request)
 
