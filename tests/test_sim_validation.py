@@ -135,6 +135,8 @@ def test_control_latency_is_measured_from_prompts_matched_to_their_prefill_steps
     dispatch, output = fit_control_latency([run])
     assert dispatch == pytest.approx(0.004)  # the median of 3 and 5 ms
     assert output == pytest.approx(0.0015)
+    # Pushed, the 4 ms were a dispatch to the decode worker, its reply (1.5 ms) and a dispatch to the prefill one.
+    assert fit_control_latency([run], push=True) == pytest.approx((0.00125, 0.0015))
     with pytest.raises(ValueError, match="one prefill worker"):
         fit_control_latency([RealRun(results, [*steps, step(origin, 0.01, (8,), (8,), "prefill1")], run.entered,
                                      start=origin)])

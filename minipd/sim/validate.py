@@ -264,13 +264,16 @@ def fit_link(transfers: Sequence[tuple[int, float]], name: str = "measured") -> 
     return Link(name, 1.0 / slope, intercept)
 
 
-def fit_control_latency(runs: Sequence[RealRun]) -> tuple[float, float]:
+def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[float, float]:
     """(dispatch, output) seconds of a disaggregated engine's control messages, as
     :meth:`~minipd.sim.cluster.ClusterSpec.with_control_latency` takes them, measured on real runs with one
     prefill worker: each request's prompt is matched to the prefill step that completed it (first come, first
-    served: prompts complete in the order they entered). Dispatch is the median wait from a request's entry to
-    the start of its first prefill step over the requests that found that worker idle (no queue in it); output
-    is the median from the end of the step that completed its prompt to the client's first token."""
+    served: prompts complete in the order they entered). Output is the median from the end of the step that
+    completed its prompt to the client's first token. The median wait from a request's entry to the start of its
+    first prefill step, over the requests that found that worker idle (no queue in it), is one dispatch; with
+    ``push`` (the K/V pushed into blocks reserved first, :attr:`~minipd.sim.cluster.ClusterSpec.push`) it is a
+    dispatch to the decode worker, its reply and a dispatch to the prefill worker, and one dispatch is what is
+    left of it after the reply, halved."""
     dispatch: list[float] = []
     output: list[float] = []
     for run in runs:
@@ -300,7 +303,8 @@ def fit_control_latency(runs: Sequence[RealRun]) -> tuple[float, float]:
                 output.append(run.start + result.intended + result.ttft - (step.start_time + step.duration))
     if not dispatch or not output:
         raise ValueError("no request found its prefill worker idle: run a lighter load to measure dispatch")
-    return max(0.0, float(np.median(dispatch))), max(0.0, float(np.median(output)))
+    to_prefill, back = float(np.median(dispatch)), max(0.0, float(np.median(output)))
+    return max(0.0, (to_prefill - back) / 2 if push else to_prefill), back
 
 
 def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResult], slo: Slo | None = None
