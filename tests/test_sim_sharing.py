@@ -119,7 +119,7 @@ def test_the_fit_recovers_the_time_alone_and_the_slowdown():
         samples.append((work, (alone + share * overlap) * float(rng.normal(1, 0.01))))
         overlaps.append(overlap)
     model, fitted = fit_shared(samples, overlaps)
-    assert fitted == pytest.approx(slowdown, rel=0.1)
+    assert fitted == pytest.approx(slowdown, rel=0.05)
     probe = StepWork(prefill_tokens=128, prefill_rows=1, prefill_pairs=128 * 64)
     assert model.step_time(probe) == pytest.approx(0.002 + 3e-5 * 128, rel=0.03)
     assert np.abs(shared_errors(model, fitted, samples, overlaps)).mean() < 0.02
@@ -128,3 +128,23 @@ def test_the_fit_recovers_the_time_alone_and_the_slowdown():
     assert none == 0.0
     with pytest.raises(ValueError, match="one overlap per sample"):
         fit_shared(samples, overlaps[:-1])
+
+
+def test_the_fit_finds_the_slowdown_when_longer_steps_overlap_more():
+    """The usual case: a long step is likelier to have the other worker's steps beside it (an alternating fit of
+    the model and the share crawled there: 0.08 after 20 rounds for a true 0.3)."""
+    rng = np.random.default_rng(1)
+    slowdown = 0.3
+    share = slowdown / (1 + slowdown)
+    samples, overlaps = [], []
+    for _ in range(600):
+        tokens = int(rng.integers(16, 256))
+        work = StepWork(prefill_tokens=tokens, prefill_rows=1, prefill_pairs=tokens * tokens // 2)
+        alone = 0.002 + 3e-5 * tokens
+        overlap = float(rng.uniform(0.6, 1.0)) * alone * (1 + slowdown)
+        samples.append((work, (alone + share * overlap) * float(rng.normal(1, 0.01))))
+        overlaps.append(overlap)
+    samples.append((StepWork(), 0.5))  # (no tokens: left out, as the step model leaves it)
+    overlaps.append(0.5)
+    _, fitted = fit_shared(samples, overlaps)
+    assert fitted == pytest.approx(slowdown, rel=0.05)

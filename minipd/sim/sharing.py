@@ -127,36 +127,55 @@ def step_overlaps(steps: Sequence[StepStats], others: Sequence[Sequence[StepStat
 
 
 def fit_shared(samples: Sequence[tuple[StepWork, float]], overlaps: Sequence[float], splits: Sequence[int] = (),
-               source: str = "", rounds: int = 20) -> tuple[FittedStepTime, float]:
+               source: str = "", tolerance: float = 1e-4) -> tuple[FittedStepTime, float]:
     """A step model of the time alone and the slowdown σ (see the module's doc), fitted to measured steps
     ``(work, seconds)`` and the seconds each overlapped other instances' steps (:func:`step_overlaps`).
 
-    Least squares of ``seconds ≈ model(work) + share · overlap`` with ``share = σ / (1 + σ)``, by alternating
-    the two fits (each one convex, the pair converging to the joint least squares): the model on the times less
-    the overlap's share, the share on what the model leaves of the overlapped steps.
+    Least squares of ``seconds ≈ model(work) + share · overlap`` with ``share = σ / (1 + σ)``: for a given share
+    the model is a :meth:`FittedStepTime.fit` to the times less the overlap's share, and the share is the one
+    whose fit leaves the least squared error, found by golden-section search to ``tolerance`` (the error is
+    convex in it). Steps without tokens or time are left out, as :meth:`FittedStepTime.fit` leaves them.
     """
     if len(samples) != len(overlaps):
         raise ValueError(f"need one overlap per sample, got {len(overlaps)} for {len(samples)}")
-    seconds = np.array([t for _, t in samples], dtype=float)
-    overlap = np.array(overlaps, dtype=float)
-    share = 0.0
-    model = FittedStepTime.fit(samples, splits, source)
-    for _ in range(rounds):
+    kept = [(w, t, o) for (w, t), o in zip(samples, overlaps, strict=True) if w.num_tokens > 0 and t > 0]
+    if not kept:
+        raise ValueError("no measured step to fit (steps with tokens and a duration)")
+    works = [w for w, _, _ in kept]
+    seconds = np.array([t for _, t, _ in kept])
+    # (A step overlaps others for at most its own length, so the times less a share < 1 of it stay positive.)
+    overlap = np.minimum(np.array([o for _, _, o in kept]), seconds)
+
+    def fit_at(share: float) -> tuple[float, FittedStepTime]:
         alone = seconds - share * overlap
-        model = FittedStepTime.fit([(w, float(a)) for (w, _), a in zip(samples, alone, strict=True)], splits, source)
-        left = seconds - np.array([model.step_time(w) for w, _ in samples])
-        weight = float(overlap @ overlap)
-        updated = min(_MAX_SHARE_LOST, max(0.0, float(overlap @ left) / weight)) if weight > 0 else 0.0
-        if abs(updated - share) < 1e-6:
-            share = updated
-            break
-        share = updated
-    return model, share / (1.0 - share)
+        model = FittedStepTime.fit(list(zip(works, alone.tolist(), strict=True)), splits, source)
+        predicted = np.array([model.step_time(w) for w in works]) + share * overlap
+        return float(((seconds - predicted) ** 2).sum()), model
+
+    if not overlap.any():
+        return fit_at(0.0)[1], 0.0
+    golden = (np.sqrt(5.0) - 1.0) / 2.0
+    low, high = 0.0, _MAX_SHARE_LOST
+    inner_low, inner_high = high - golden * (high - low), low + golden * (high - low)
+    error_low, error_high = fit_at(inner_low)[0], fit_at(inner_high)[0]
+    while high - low > tolerance:
+        if error_low <= error_high:
+            high, inner_high, error_high = inner_high, inner_low, error_low
+            inner_low = high - golden * (high - low)
+            error_low = fit_at(inner_low)[0]
+        else:
+            low, inner_low, error_low = inner_low, inner_high, error_high
+            inner_high = low + golden * (high - low)
+            error_high = fit_at(inner_high)[0]
+    # The bracket's ends are candidates too (the best share may be 0: no slowdown at all).
+    _, share = min((fit_at(x)[0], x) for x in ((low + high) / 2, 0.0, _MAX_SHARE_LOST))
+    return fit_at(share)[1], share / (1.0 - share)
 
 
 def shared_errors(model: FittedStepTime, slowdown: float, samples: Sequence[tuple[StepWork, float]],
                   overlaps: Sequence[float]) -> np.ndarray:
-    """Relative error of each measured step's predicted time, the overlap it had counted in."""
+    """Relative error of each measured step's predicted time, the overlap it had counted in (steps without tokens
+    or time left out)."""
     share = slowdown / (1.0 + slowdown)
     return np.array([(model.step_time(w) + share * o) / t - 1.0 for (w, t), o in zip(samples, overlaps, strict=True)
                      if w.num_tokens > 0 and t > 0])
