@@ -58,6 +58,17 @@ def test_distserve_figure_1_fitted_on_its_single_phase_figures_reproduces_its_co
     assert "published 1.6 req/s" in fit.describe() and len(fit.rows()) == 4
 
 
+def test_calibration_leaves_out_the_clusters_control_latency():
+    """A paper's figures hold its engine's own messages: latency given to the cluster is not fitted away."""
+    quick = {"num_requests": 40, "duration_s": 4.0, "iterations": 3, "rounds": 1}
+    plain = calibrate(GpuCluster(preset("opt-13b"), A100_80GB, NVLINK3), **quick)
+    late = calibrate(GpuCluster(preset("opt-13b"), A100_80GB, NVLINK3, dispatch_latency_s=0.05,
+                                output_latency_s=0.05), **quick)
+    assert late.cluster.dispatch_latency_s == late.cluster.output_latency_s == 0.0
+    assert (late.cluster.compute_efficiency, late.cluster.memory_efficiency) == (
+        plain.cluster.compute_efficiency, plain.cluster.memory_efficiency)
+
+
 def test_bad_calibration_arguments_are_refused():
     cluster = GpuCluster(preset("opt-13b"), A100_80GB, NVLINK3)
     with pytest.raises(ValueError, match="rounds and iterations"):

@@ -146,8 +146,9 @@ def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_
               seed: int = 0, progress: bool = False) -> Calibration:
     """``cluster`` on ``figures``' model and device, its compute and memory efficiencies fitted so that one
     device's simulated prefill-only and decode-only goodputs match ``figures``, and the colocated and split
-    goodputs the fit then gives. ``cluster``'s scheduling, limits and link are kept; to run another model or
-    device as efficiently, copy the two efficiencies onto its cluster.
+    goodputs the fit then gives. ``cluster``'s scheduling, limits and link are kept, its control latency is not
+    (set to 0: the paper's figures hold their own); to run another model or device as efficiently, copy the two
+    efficiencies onto its cluster.
 
     Runs ``rounds × 2`` bisections of ``iterations`` steps, each step one simulation at the published rate
     (``num_requests`` requests or ``duration_s`` seconds of arrivals, whichever is more), then a goodput
@@ -157,7 +158,9 @@ def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_
     if rounds < 1 or iterations < 1:
         raise ValueError(f"rounds and iterations must be >= 1, got {rounds} and {iterations}")
     shape = WorkloadShape(figures.prompt_len, figures.output_len, num_requests, seed=seed, duration_s=duration_s)
-    cluster = dataclasses.replace(cluster, model=preset(figures.model), device=figures.device)
+    # (The published figures come with their engine's own control messages inside them: none added on top.)
+    cluster = dataclasses.replace(cluster, model=preset(figures.model), device=figures.device, dispatch_latency_s=0.0,
+                                  output_latency_s=0.0)
     steps = range(rounds)
     if progress:
         from tqdm.auto import tqdm
