@@ -15,6 +15,8 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
    simulator.
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
+    # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
+    python scripts/validate_simulator.py --from-runs assets/sim/cpu_validation.json /tmp/runs.json.gz --out new.json
 
 Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
 """
@@ -43,7 +45,7 @@ from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
-from minipd.sim.validate import compare, fit_control_latency, fit_link, instance_config, run_engine
+from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
 FRACTIONS = (0.3, 0.6, 0.85, 0.95)
@@ -64,8 +66,8 @@ def workload(n: int, rate: float, seed: int) -> list:
     return synthetic_workload(n, rate, PROMPTS, OUTPUTS, seed=seed)
 
 
-def validate(engine, make_spec, fit, n: int, slo: Slo, label: str, variant=None) -> dict:
-    """``variant``: (name, make_spec) of a second model simulated beside, its table kept in each row under name."""
+def measure(engine, n: int, slo: Slo, label: str) -> dict:
+    """The real side: capacity, calibration runs, every compared run (twice) and the goodput searched twice."""
     print(f"== {label}", flush=True)
     run_engine(engine, workload(8, 100.0, 99))  # warm-up
     saturating = run_engine(engine, workload(n, 1e6, 7))
@@ -78,15 +80,41 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str, variant=None)
         if fraction in CALIBRATION:
             calibration.append(run_engine(engine, workload(n, fraction * capacity, 100 + CALIBRATION.index(fraction))))
         items = workload(n, fraction * capacity, int(fraction * 100))
-        measured[fraction] = items, run_engine(engine, items), run_engine(engine, items)
-    models, errors = fit(calibration)
+        measured[fraction] = run_engine(engine, items), run_engine(engine, items)
+
+    # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
+    # moves by a few points from run to run, and the bisection's answer with it.
+    real_goodput, real_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results, slo, capacity)
+    again_goodput, again_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results, slo, capacity)
+    goodput = {"real": real_goodput, "repeat": again_goodput, "real_tried": real_tried, "repeat_tried": again_tried}
+    return {"capacity": capacity, "calibration": calibration, "measured": measured, "goodput": goodput}
+
+
+def stored(report: dict, runs: dict) -> dict:
+    """:func:`measure`'s answer from an earlier report and the runs it kept (``--runs-out``)."""
+    goodput = {k: report["goodput"][k] for k in ("real", "repeat", "real_tried", "repeat_tried")}
+    return {"capacity": report["capacity"], "calibration": [RealRun.from_json(r) for r in runs["calibration"]],
+            "measured": {float(f): tuple(RealRun.from_json(r) for r in pair) for f, pair in runs["measured"].items()},
+            "goodput": goodput}
+
+
+def search(run_at, slo: Slo, capacity: float):
+    return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
+
+
+def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
+    """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
+    beside, its table kept in each row under name."""
+    capacity = real["capacity"]
+    models, errors = fit(real["calibration"])
     spec = make_spec(models)
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
-    for fraction, (items, real, again) in measured.items():
+    for fraction, (first, again) in real["measured"].items():
         rate = fraction * capacity
-        table = compare(real.results, simulate(spec, items), slo)
-        repeat = compare(real.results, again.results, slo)
+        items = workload(n, rate, int(fraction * 100))
+        table = compare(first.results, simulate(spec, items), slo)
+        repeat = compare(first.results, again.results, slo)
         for key, row in table.items():
             row["repeat"], row["repeat_error"] = repeat[key]["sim"], repeat[key]["error"]
         rows.append({"fraction": fraction, "rate": rate, **table})
@@ -94,25 +122,16 @@ def validate(engine, make_spec, fit, n: int, slo: Slo, label: str, variant=None)
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
         if variant is not None:
             name, make_variant = variant
-            other = compare(real.results, simulate(make_variant(models), items), slo)
+            other = compare(first.results, simulate(make_variant(models), items), slo)
             rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
             print(f"  {name}: " + ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in other.items()),
                   flush=True)
-
-    def search(run_at):
-        return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
-
-    # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
-    # moves by a few points from run to run, and the bisection's answer with it.
-    real_goodput, real_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results)
-    again_goodput, again_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results)
-    sim_goodput, sim_tried = search(lambda r: simulate(spec, workload(n, r, 200)).results())
-    print(f"goodput real {real_goodput:.2f}, real again {again_goodput:.2f}, simulated {sim_goodput:.2f} req/s",
+    sim_goodput, sim_tried = search(lambda r: simulate(spec, workload(n, r, 200)).results(), slo, capacity)
+    goodput = {**real["goodput"], "sim": sim_goodput, "sim_tried": sim_tried}
+    print(f"goodput real {goodput['real']:.2f}, real again {goodput['repeat']:.2f}, simulated {sim_goodput:.2f} req/s",
           flush=True)
-    goodput = {"real": real_goodput, "sim": sim_goodput, "repeat": again_goodput, "real_tried": real_tried,
-               "sim_tried": sim_tried, "repeat_tried": again_tried}
-    runs = {"calibration": [run.to_json() for run in calibration],
-            "measured": {str(f): [real.to_json(), again.to_json()] for f, (_, real, again) in measured.items()}}
+    runs = {"calibration": [run.to_json() for run in real["calibration"]],
+            "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()}}
     return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput, "runs": runs}
 
 
@@ -124,10 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
+    parser.add_argument("--from-runs", nargs=2, metavar=("REPORT", "RUNS"),
+                        help="measure nothing: simulate again beside the real runs an earlier report (--out) and its "
+                             "runs (--runs-out) hold, with this version of the simulator")
     args = parser.parse_args(argv)
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "prompts": PROMPTS,
                     "outputs": OUTPUTS, "num_requests": args.num_requests, "slo": vars(slo)}
+    earlier = earlier_runs = None
+    if args.from_runs:
+        earlier = json.loads(Path(args.from_runs[0]).read_text())
+        earlier_runs = json.loads(gzip.decompress(Path(args.from_runs[1]).read_bytes()))
+        report.update({k: earlier[k] for k in ("machine", "date", "prompts", "outputs", "num_requests", "slo")},
+                      simulated_again=time.strftime("%Y-%m-%d %H:%M"))
+        slo, args.num_requests = Slo(**earlier["slo"]), earlier["num_requests"]
+
+    def real_side(engine, label: str) -> dict:
+        key = "colocated" if label.startswith("colocated") else "1p1d"
+        if earlier is None:
+            return measure(engine, args.num_requests, slo, label)
+        print(f"== {label} (stored runs)", flush=True)
+        return stored(earlier[key], earlier_runs[key])
 
     llm = LLM("tiny-py", enable_prefix_caching=False)
     config = instance_config(llm)
@@ -143,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
                        "model": model.describe()}
 
-    report["colocated"] = validate(llm, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
-                                   args.num_requests, slo, "colocated (LLM)")
+    report["colocated"] = judge(real_side(llm, "colocated (LLM)"), lambda m: ClusterSpec.colocated(m, config),
+                                fit_colocated, args.num_requests, slo)
     report["colocated"]["engine"] = repr(llm)
     llm.close()
 
@@ -183,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "overlapped_share": sum(overlaps) / sum(t for _, t in samples)}}
             models["link"] = fit_link([t for run in runs for t in run.transfers])
             errors["link"] = {"bandwidth": models["link"].bandwidth, "latency_s": models["link"].latency_s}
-            models["control"] = fit_control_latency(runs)
+            models["control"] = fit_control_latency(runs, push=engines["kv_transfer"] != "pull")
             errors["control"] = {"dispatch_s": models["control"][0], "output_s": models["control"][1]}
             return models, errors
 
@@ -206,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                 num_layers=layers, push=engines["kv_transfer"] != "pull",
             ).with_control_latency(*models["control"])  # (the front end and the workers are processes apart)
 
-        report["1p1d"] = validate(pd, pd_spec, fit_pd, args.num_requests, slo, "1P1D (DisaggregatedLLM)",
-                                  variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)))
+        report["1p1d"] = judge(real_side(pd, "1P1D (DisaggregatedLLM)"), pd_spec, fit_pd, args.num_requests, slo,
+                               variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)))
         report["1p1d"]["engine"] = repr(pd)
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:
