@@ -259,22 +259,30 @@ def test_pushed_kv_leave_at_the_prefills_end_and_overlap_the_hand_over_to_decode
         assert np.diff(pushed.token_times[1:]) == pytest.approx([step] * 2)
 
 
-def test_a_pushed_request_the_prefill_refuses_gives_its_reserved_blocks_back():
+@pytest.mark.parametrize("latency", [0.0, 0.001])
+def test_a_pushed_request_the_prefill_refuses_gives_its_reserved_blocks_back(latency):
     """Push reserves decode blocks before the prefill sees the prompt: a prompt the prefill instance cannot hold is
-    dropped and its reservation freed, so the requests behind it still run; one that ends at its first token
-    frees its reservation too."""
-    small, large = InstanceConfig(num_kv_blocks=10, block_size=16), InstanceConfig(num_kv_blocks=40, block_size=16)
-    spec = dataclasses.replace(ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), small),
-                                                                 InstanceSpec("decode", Linear(), large), 100.0,
-                                                                 Link("test", 1e9, 1e-4)), push=True)
+    dropped and its reservation freed, so the requests behind it (held back or arriving later) still run; one that
+    ends at its first token frees its reservation too. With and without control latency (without, the release
+    happens inside the decode instance's own step)."""
+    def push(prefill_blocks: int, decode_blocks: int) -> ClusterSpec:
+        return dataclasses.replace(ClusterSpec.disaggregated_cluster(
+            InstanceSpec("prefill", Linear(), InstanceConfig(num_kv_blocks=prefill_blocks, block_size=16)),
+            InstanceSpec("decode", Linear(), InstanceConfig(num_kv_blocks=decode_blocks, block_size=16)), 100.0,
+            Link("test", 1e9, 1e-4)), push=True).with_control_latency(latency, latency)
+
     workload = [PlannedRequest(0.0, 300, 5), PlannedRequest(0.1, 100, 5), PlannedRequest(0.2, 400, 5),
-                PlannedRequest(0.3, 120, 1), *[PlannedRequest(0.4 + 0.01 * i, 150, 6) for i in range(8)]]
-    result = simulate(spec, workload)
+                *[PlannedRequest(0.4 + 0.01 * i, 150, 6) for i in range(8)]]
+    result = simulate(push(10, 40), workload)
     assert [r.index for r in result.requests if r.dropped] == [0, 2]
     assert all("prefill0" in r.dropped for r in result.requests if r.dropped)
     for r in result.requests:
         if not r.dropped:
             assert len(r.token_times) == r.output_len and r.finished is not None
-    # 8 prompts of 150 tokens (10 blocks each) pass through a decode pool of 40 blocks: only if every
-    # reservation, the dropped ones' and the one-token request's included, came back.
     assert result.summary()["completed"] == len(workload) - 2
+    # Refused while the next request is held back for room: it runs once the reservation is given back.
+    both = simulate(push(4, 10), [PlannedRequest(0.0, 150, 5), PlannedRequest(0.0, 20, 5)])
+    assert bool(both.requests[0].dropped) and len(both.requests[1].token_times) == 5
+    # A one-token request's reservation (10 of 20 blocks) must come back, or the 20-block request never fits.
+    one = simulate(push(30, 20), [PlannedRequest(0.0, 150, 1), PlannedRequest(0.1, 300, 5)])
+    assert [len(r.token_times) for r in one.requests] == [1, 5]

@@ -389,10 +389,6 @@ class _Cluster:
             return
         self._prefill(sim)
 
-    def _prefill_after(self, seconds: float, sim: SimRequest) -> Any:
-        yield self.env.timeout(seconds)
-        self._prefill(sim)
-
     def _prefill(self, sim: SimRequest) -> None:
         instance = self.router.prefill_worker(self.instances["prefill"])
         sim.prefill_instance = instance.name
@@ -457,17 +453,15 @@ class _Cluster:
                 if sim.output_len == 1:
                     sim.finished = now
                     self._done(sim)
-                    if self.spec.push:
-                        self._release_reservation(sim)
+                    if self.spec.push:  # (once the front end has heard of it and told the decode instance)
+                        self._after(self.spec.output_latency_s + self.spec.dispatch_latency_s,
+                                    self._release_reservation, sim)
                 elif self.spec.push:
                     self.env.process(self._push(sim, instance))
                 else:
                     self.held[out.request_id] = instance
                     hop = self.spec.output_latency_s + self.spec.dispatch_latency_s
-                    if hop > 0:
-                        self.env.process(self._to_decode_after(hop, sim, instance))
-                    else:
-                        self._to_decode(sim, instance)
+                    self._after(hop, self._to_decode, sim, instance)
             elif out.finished:
                 sim.finished = now
                 self._done(sim)
@@ -482,9 +476,17 @@ class _Cluster:
             verdict.judge(sim, False)
             self._end_if_over()
 
-    def _to_decode_after(self, seconds: float, sim: SimRequest, source: SimInstance) -> Any:
-        yield self.env.timeout(seconds)
-        self._to_decode(sim, source)
+    def _after(self, seconds: float, action: Callable[..., None], *args: Any) -> None:
+        """``action(*args)`` ``seconds`` from now (at once for 0: a control message that takes no time)."""
+        if seconds <= 0:
+            action(*args)
+            return
+
+        def later() -> Any:
+            yield self.env.timeout(seconds)
+            action(*args)
+
+        self.env.process(later())
 
     def _to_decode(self, sim: SimRequest, source: SimInstance) -> None:
         self.prefilling.pop(str(sim.index), None)
@@ -501,11 +503,7 @@ class _Cluster:
         if self.spec.push:
             sim = self.reserving.pop(request.request_id, None)
             if sim is not None:  # its blocks are held: the front end hears so, then sends the prompt on
-                hops = self.spec.output_latency_s + self.spec.dispatch_latency_s
-                if hops > 0:
-                    self.env.process(self._prefill_after(hops, sim))
-                else:
-                    self._prefill(sim)
+                self._after(self.spec.output_latency_s + self.spec.dispatch_latency_s, self._prefill, sim)
             return
         self.env.process(self._transfer(decode, request.request_id))
 

@@ -121,6 +121,7 @@ class SimInstance:
         #: How long the last step took (a layer-wise transfer hides behind the prefill's last step).
         self.last_step_duration = 0.0
         self._wake: Any = None
+        self._poked = False  # poked since the step began (by a callback of the step itself, say)
         self._announced: set[str] = set()
         self.process = env.process(self._run())
 
@@ -146,6 +147,7 @@ class SimInstance:
 
     def poke(self) -> None:
         """Something changed (a request, freed blocks, arrived K/V): an idle instance looks again."""
+        self._poked = True
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
@@ -174,11 +176,15 @@ class SimInstance:
                 yield self._wake
                 continue
             start = self.env.now
+            self._poked = False
             outputs = core.step()
             duration, executor.pending = executor.pending, 0.0
             self._announce_waiting()
             if not outputs.num_scheduled_tokens:
-                # Nothing could run (every request waits for K/V, or for blocks held for a reader).
+                # Nothing could run (every request waits for K/V, or for blocks held for a reader), unless the
+                # announcements just now gave it something (their poke found no sleeper to wake): look again.
+                if self._poked:
+                    continue
                 self._wake = self.env.event()
                 yield self._wake
                 continue
