@@ -273,7 +273,8 @@ def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[fl
     first prefill step, over the requests that found that worker idle (no queue in it), is one dispatch; with
     ``push`` (the K/V pushed into blocks reserved first, :attr:`~minipd.sim.cluster.ClusterSpec.push`) it is a
     dispatch to the decode worker, its reply and a dispatch to the prefill worker, and one dispatch is what is
-    left of it after the reply, halved."""
+    left of it after the reply, halved (it also holds the decode worker's wait for the end of its step before it
+    reserves, which the simulator adds again: a fraction of a step, counted twice)."""
     dispatch: list[float] = []
     output: list[float] = []
     for run in runs:
