@@ -24,10 +24,12 @@ Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -144,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
     parser.add_argument("--from-runs", nargs=2, metavar=("REPORT", "RUNS"),
-                        help="measure nothing: simulate again beside the real runs an earlier report (--out) and its "
-                             "runs (--runs-out) hold, with this version of the simulator")
+                        help="run no workload: simulate again beside the real runs an earlier report (--out) and its "
+                             "runs (--runs-out) hold, with this version of the simulator (the report's request count "
+                             "and SLOs are used; the engines, started for their settings only, must be configured "
+                             "as the report's were)")
     args = parser.parse_args(argv)
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "prompts": PROMPTS,
@@ -157,12 +161,23 @@ def main(argv: list[str] | None = None) -> int:
         report.update({k: earlier[k] for k in ("machine", "date", "prompts", "outputs", "num_requests", "slo")},
                       simulated_again=time.strftime("%Y-%m-%d %H:%M"))
         slo, args.num_requests = Slo(**earlier["slo"]), earlier["num_requests"]
+        if (earlier["prompts"], earlier["outputs"]) != (PROMPTS, OUTPUTS):
+            raise SystemExit(f"--from-runs: the runs drew lengths {earlier['prompts']} / {earlier['outputs']}, this "
+                             f"script draws {PROMPTS} / {OUTPUTS}: the simulated workloads would not be theirs")
 
-    def real_side(engine, label: str) -> dict:
-        key = "colocated" if label.startswith("colocated") else "1p1d"
+    def real_side(engine, label: str, key: str, settings: dict) -> dict:
+        """The real runs: made now, or read back (``--from-runs``) when the engine is set up as it was for them."""
+        report[key] = {"settings": settings}
         if earlier is None:
             return measure(engine, args.num_requests, slo, label)
         print(f"== {label} (stored runs)", flush=True)
+        # (Reports from before the settings were kept: the engine as it described itself, less the one field it
+        # only learns while running.)
+        then = earlier[key].get("settings") or re.sub(r"one_thread_up_to_tokens=\d+", "", earlier[key]["engine"])
+        now = settings if "settings" in earlier[key] else re.sub(r"one_thread_up_to_tokens=\d+", "", repr(engine))
+        if json.loads(json.dumps(then)) != json.loads(json.dumps(now)):
+            raise SystemExit(f"--from-runs: the runs were made with {then}, the engine now is set up with {now}: "
+                             "simulating them with these settings would not be simulating those runs")
         return stored(earlier[key], earlier_runs[key])
 
     llm = LLM("tiny-py", enable_prefix_caching=False)
@@ -179,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
                        "model": model.describe()}
 
-    report["colocated"] = judge(real_side(llm, "colocated (LLM)"), lambda m: ClusterSpec.colocated(m, config),
-                                fit_colocated, args.num_requests, slo)
+    real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
+    report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
+                                     args.num_requests, slo))
     report["colocated"]["engine"] = repr(llm)
     llm.close()
 
@@ -224,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
             return models, errors
 
         def pd_spec(models, shared_cores=False):
-            import dataclasses
-
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
 
             def instance(role):
@@ -242,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
                 num_layers=layers, push=engines["kv_transfer"] != "pull",
             ).with_control_latency(*models["control"])  # (the front end and the workers are processes apart)
 
-        report["1p1d"] = judge(real_side(pd, "1P1D (DisaggregatedLLM)"), pd_spec, fit_pd, args.num_requests, slo,
-                               variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)))
+        settings = {"blocks": blocks, "kv_transfer": engines["kv_transfer"],
+                    "instance": dataclasses.asdict(config), "kv_bytes_per_token": kv_per_token, "num_layers": layers}
+        real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
+        report["1p1d"].update(judge(real, pd_spec, fit_pd, args.num_requests, slo,
+                                    variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True))))
         report["1p1d"]["engine"] = repr(pd)
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:
