@@ -124,6 +124,11 @@ class ClusterSpec:
         return self.instances[0].role != "colocated"
 
     @property
+    def hand_over_s(self) -> float:
+        """A worker's message heard by the front end and its answer sent on: an output, then a dispatch."""
+        return self.output_latency_s + self.dispatch_latency_s
+
+    @property
     def devices(self) -> int:
         """Devices the cluster uses."""
         return sum(spec.count * spec.devices for spec in self.instances)
@@ -454,14 +459,12 @@ class _Cluster:
                     sim.finished = now
                     self._done(sim)
                     if self.spec.push:  # (once the front end has heard of it and told the decode instance)
-                        self._after(self.spec.output_latency_s + self.spec.dispatch_latency_s,
-                                    self._release_reservation, sim)
+                        self._after(self.spec.hand_over_s, self._release_reservation, sim)
                 elif self.spec.push:
                     self.env.process(self._push(sim, instance))
                 else:
                     self.held[out.request_id] = instance
-                    hop = self.spec.output_latency_s + self.spec.dispatch_latency_s
-                    self._after(hop, self._to_decode, sim, instance)
+                    self._after(self.spec.hand_over_s, self._to_decode, sim, instance)
             elif out.finished:
                 sim.finished = now
                 self._done(sim)
@@ -503,7 +506,7 @@ class _Cluster:
         if self.spec.push:
             sim = self.reserving.pop(request.request_id, None)
             if sim is not None:  # its blocks are held: the front end hears so, then sends the prompt on
-                self._after(self.spec.output_latency_s + self.spec.dispatch_latency_s, self._prefill, sim)
+                self._after(self.spec.hand_over_s, self._prefill, sim)
             return
         self.env.process(self._transfer(decode, request.request_id))
 
@@ -536,7 +539,7 @@ class _Cluster:
     def _push(self, sim: SimRequest, source: SimInstance) -> Any:
         """Push: the K/V leave at once; the decode instance computes once they are in and it has the request
         (the front end hands it over on hearing of the first token: both control hops)."""
-        handed_over = self.env.now + self.spec.output_latency_s + self.spec.dispatch_latency_s
+        handed_over = self.env.now + self.spec.hand_over_s
         yield from self._send(sim, source)
         if handed_over > self.env.now:
             yield self.env.timeout(handed_over - self.env.now)
