@@ -110,6 +110,9 @@ def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
     capacity = real["capacity"]
     models, errors = fit(real["calibration"])
     spec = make_spec(models)
+    if variant is not None:
+        name, make_variant = variant
+        variant_spec = make_variant(models)
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
     for fraction, (first, again) in real["measured"].items():
@@ -123,8 +126,7 @@ def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
         if variant is not None:
-            name, make_variant = variant
-            other = compare(first.results, simulate(make_variant(models), items), slo)
+            other = compare(first.results, simulate(variant_spec, items), slo)
             rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
             print(f"  {name}: " + ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in other.items()),
                   flush=True)
@@ -183,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM("tiny-py", enable_prefix_caching=False)
     config = instance_config(llm)
     small = llm.engine.core.small_step_tokens
+    if earlier is not None:
+        # The engine measures how large a step it runs on one thread when it starts, and that moves with the
+        # machine's load: the stored runs' own value, not today's, for the ranges their steps fall into.
+        kept = earlier["colocated"].get("splits")
+        small = kept[1] if kept else int(re.search(r"one_thread_up_to_tokens=(\d+)", earlier["colocated"]["engine"])[1])
     kv_per_token, layers = llm.kv_bytes_per_token, llm.config.num_hidden_layers
 
     splits = (1, small, 32, 128)
@@ -197,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
                                      args.num_requests, slo))
-    report["colocated"]["engine"] = repr(llm)
+    # (Simulated again: the engine the runs were made with.)
+    report["colocated"]["engine"] = repr(llm) if earlier is None else earlier["colocated"]["engine"]
+    report["colocated"]["splits"] = splits
     llm.close()
 
     with DisaggregatedLLM("tiny-py", enable_prefix_caching=False) as pd:
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, args.num_requests, slo,
                                     variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True))))
-        report["1p1d"]["engine"] = repr(pd)
+        report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:
         Path(args.runs_out).write_bytes(gzip.compress(json.dumps(runs).encode()))
