@@ -45,16 +45,27 @@ def cycle_times(steps: Sequence[StepStats]) -> list[float]:
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of ``x @ c ≈ y`` with ``c >= 0``: drop the most negative coefficient and refit until none is."""
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (solution >= 0).all():
-            coef[active] = solution
-            return coef
-        del active[int(np.argmin(solution))]
-    return coef
+    """Least squares of ``x @ c ≈ y`` with ``c >= 0``, exactly: the best of the unconstrained fits on each subset
+    of the columns that comes out non-negative. The constrained optimum is the unconstrained fit on its own
+    support, so it is among them; with the few features of a step model (at most 5: 31 subsets) this is cheap,
+    where dropping the most negative coefficient and refitting can stop at a worse fit (it never takes a
+    dropped column back)."""
+    columns = x.shape[1]
+    if columns > 10:
+        raise ValueError(f"an exact non-negative fit of {columns} features would try 2^{columns} subsets; at most 10")
+    best, best_residual = np.zeros(columns), float(y @ y)
+    for size in range(1, columns + 1):
+        for subset in itertools.combinations(range(columns), size):
+            chosen = list(subset)
+            solution, *_ = np.linalg.lstsq(x[:, chosen], y, rcond=None)
+            if (solution < 0).any():
+                continue
+            residual = y - x[:, chosen] @ solution
+            if float(residual @ residual) < best_residual * (1 - 1e-12):
+                best = np.zeros(columns)
+                best[chosen] = solution
+                best_residual = float(residual @ residual)
+    return best
 
 
 @dataclass(frozen=True)

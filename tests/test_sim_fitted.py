@@ -1,0 +1,62 @@
+"""The fitted step-time model's non-negative least squares: optimal (KKT), not just non-negative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minipd.engine.stats import StepWork
+from minipd.sim.fitted import FittedStepTime, _nonnegative_fit
+
+
+def _is_optimal(x: np.ndarray, y: np.ndarray, c: np.ndarray, tol: float = 1e-7) -> bool:
+    """The KKT conditions of min |xc - y|² over c >= 0 (sufficient: the problem is convex): the gradient is zero
+    on the coefficients in use and does not point into the feasible side on the ones held at zero."""
+    gradient = x.T @ (x @ c - y)
+    scale = np.abs(x.T @ y).max()
+    return bool((c >= 0).all()) and all(
+        abs(g) <= tol * scale if ci > 0 else g >= -tol * scale for g, ci in zip(gradient, c, strict=True))
+
+
+def _step_like_problem(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Correlated non-negative features, as a step's are (tokens and attention pairs grow together), and a
+    truth with negative parts, so that the constraint binds."""
+    base = rng.uniform(0, 1, size=(40, 2))
+    x = np.column_stack([np.ones(40), base[:, 0], base[:, 0] + 0.1 * rng.normal(size=40), base[:, 1],
+                         base[:, 1] * base[:, 0]])
+    return x, x @ rng.uniform(-1, 1, size=5) + 0.3 * rng.normal(size=40)
+
+
+def test_the_nonnegative_fit_is_the_constrained_optimum():
+    # Dropping the most negative coefficient and refitting (the fit before this one) stops short of the optimum
+    # on 45 of 3,000 such problems (seed 0); each of these 600 holds at least one of them.
+    rng = np.random.default_rng(0)
+    for _ in range(600):
+        x, y = _step_like_problem(rng)
+        assert _is_optimal(x, y, _nonnegative_fit(x, y))
+
+
+def test_the_nonnegative_fit_keeps_an_unconstrained_answer_that_is_already_nonnegative():
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0, 1, size=(50, 4))
+    truth = np.array([0.5, 0.0, 2.0, 1.0])
+    assert _nonnegative_fit(x, x @ truth) == pytest.approx(truth, abs=1e-9)
+    with pytest.raises(ValueError, match="at most 10"):
+        _nonnegative_fit(np.ones((20, 11)), np.ones(20))
+
+
+def test_a_step_model_recovers_known_costs():
+    costs = (1e-3, 50e-6, 2e-9, 80e-6, 300e-9)  # fixed, per prompt token, per pair, per decode row, per key read
+    rng = np.random.default_rng(2)
+    samples = []
+    for _ in range(200):
+        prompt, rows = int(rng.integers(0, 300)), int(rng.integers(0, 40))
+        work = StepWork(prefill_tokens=prompt, prefill_rows=int(prompt > 0), prefill_pairs=prompt * (prompt + 1) // 2,
+                        decode_rows=rows, decode_context=rows * int(rng.integers(16, 512)))
+        if work.num_tokens:
+            seconds = costs[0] + costs[1] * prompt + costs[2] * work.prefill_pairs + costs[3] * rows + \
+                costs[4] * work.decode_context
+            samples.append((work, seconds))
+    model = FittedStepTime.fit(samples)
+    assert model.coefficients[0] == pytest.approx(costs, rel=1e-6)
+    assert model.mape(samples) < 1e-9
