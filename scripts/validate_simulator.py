@@ -154,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                              "as the report's were)")
     args = parser.parse_args(argv)
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
-    report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "prompts": PROMPTS,
+    report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "started": time.strftime("%H:%M %Z"),
+                    "prompts": PROMPTS,
                     "outputs": OUTPUTS, "num_requests": args.num_requests, "slo": vars(slo)}
     earlier = earlier_runs = None
     if args.from_runs:
         earlier = json.loads(Path(args.from_runs[0]).read_text())
         earlier_runs = json.loads(gzip.decompress(Path(args.from_runs[1]).read_bytes()))
-        report.update({k: earlier[k] for k in ("machine", "date", "prompts", "outputs", "num_requests", "slo")},
+        kept = ("machine", "date", "started", "prompts", "outputs", "num_requests", "slo")
+        report.update({k: earlier[k] for k in kept if k in earlier},
                       simulated_again=time.strftime("%Y-%m-%d %H:%M"))
         slo, args.num_requests = Slo(**earlier["slo"]), earlier["num_requests"]
         if (earlier["prompts"], earlier["outputs"]) != (PROMPTS, OUTPUTS):

@@ -8,7 +8,8 @@
   only thing left to compare is the scheduling (:func:`scheduling_agreement`);
 - :func:`fit_link` fits a transfer's fixed cost and bandwidth to the transfers a disaggregated run timed, and
   :func:`fit_control_latency` the time its control messages take (to the prefill worker, back to the client);
-- :func:`compare` puts the real and simulated latencies side by side.
+- :func:`compare` puts the real and simulated latencies side by side, and :func:`within_targets` says whether a
+  row of it is as close as the simulator is asked to be (:data:`TARGETS`).
 """
 
 from __future__ import annotations
@@ -320,5 +321,17 @@ def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResu
     return table
 
 
-__all__ = ["RealRun", "ReplayStepTime", "compare", "fit_control_latency", "fit_link", "instance_config", "load_runs",
-           "run_core", "run_engine", "scheduling_agreement"]
+#: How close a simulated row must come to the real one: P50 latencies within 10%, P90s within 20% (relative
+#: errors), SLO attainment within 3 points (an absolute difference).
+TARGETS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "p90_ttft_ms": 0.20, "p90_tpot_ms": 0.20,
+           "slo_attainment": 0.03}
+
+
+def within_targets(row: dict[str, dict[str, float]]) -> bool:
+    """Whether every figure of a :func:`compare` table (or a row of ``scripts/validate_simulator.py``'s report)
+    is within its :data:`TARGETS` bound."""
+    return all(abs(row[key]["error"]) <= bound for key, bound in TARGETS.items())
+
+
+__all__ = ["TARGETS", "RealRun", "ReplayStepTime", "compare", "fit_control_latency", "fit_link", "instance_config",
+           "load_runs", "run_core", "run_engine", "scheduling_agreement", "within_targets"]

@@ -1,0 +1,73 @@
+"""Several runs of ``scripts/validate_simulator.py`` side by side: how far one run's verdict can be trusted.
+
+On a shared machine one validation run is one sample: its noise floor, its goodputs and which loads come out
+within the targets move from run to run. This script boils each report down to those figures and writes them
+together (``assets/sim/cpu_validation_history.json``, the table chapter 05b prints):
+
+    python scripts/validation_history.py --out assets/sim/cpu_validation_history.json \\
+        first.json second.json=15:30 ...
+
+Give it reports simulated with the same version of the simulator (``validate_simulator.py --from-runs`` makes
+one from an older run's stored real runs). A run is named by the time it started, kept in reports since
+2026-12-06's evening; ``REPORT=LABEL`` names one from before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minipd.sim.validate import TARGETS, within_targets
+
+ENGINES = ("colocated", "1p1d")
+
+
+def summary(report: dict, label: str) -> dict:
+    """One run's figures: step-model error beside the noise floor, the goodputs, and per load which targets hold."""
+    models = {"colocated": report["colocated"]["step_model"],
+              "prefill": report["1p1d"]["step_model"]["prefill"], "decode": report["1p1d"]["step_model"]["decode"]}
+    out = {"label": label, "machine": report["machine"], "date": report["date"],
+           "simulated_again": report.get("simulated_again"),
+           "step_model": {name: {"mape": m["mape"], "noise_floor": m["noise_floor"]} for name, m in models.items()}}
+    for engine in ENGINES:
+        entry = report[engine]
+        goodput = entry["goodput"]
+        out[engine] = {
+            "capacity": entry["capacity"],
+            "goodput": {k: goodput[k] for k in ("real", "repeat", "sim")},
+            "loads": {str(row["fraction"]): {"within_targets": within_targets(row),
+                                             "errors": {k: row[k]["error"] for k in TARGETS}}
+                      for row in entry["rows"]},
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("reports", nargs="+", metavar="REPORT[=LABEL]")
+    args = parser.parse_args(argv)
+    runs = []
+    for item in args.reports:
+        path, _, label = item.partition("=")
+        report = json.loads(Path(path).read_text())
+        label = label or report.get("started", "")
+        if not label:
+            parser.error(f"{path}: the report does not say when its run started: give it as {path}=LABEL")
+        missing = [k for k in ENGINES if k not in report]
+        if missing:
+            parser.error(f"{path}: not a validate_simulator.py report (no {', '.join(missing)})")
+        runs.append(summary(report, label))
+    machines = {run["machine"] for run in runs}
+    Path(args.out).write_text(json.dumps({"targets": TARGETS, "machines": sorted(machines), "runs": runs}, indent=1)
+                              + "\n")
+    print(f"wrote {args.out}: {len(runs)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

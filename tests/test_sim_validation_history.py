@@ -1,0 +1,64 @@
+"""The validation reports' verdicts: ``within_targets`` at its bounds, and ``scripts/validation_history.py``
+boiling the stored report down to the figures chapter 05b prints."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from minipd.sim.validate import TARGETS, within_targets
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("validation_history", ROOT / "scripts" / "validation_history.py")
+history = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(history)
+
+
+def _row(**errors: float) -> dict:
+    return {key: {"error": errors.get(key, 0.0)} for key in TARGETS}
+
+
+def test_within_targets_holds_at_each_bound_and_fails_past_it():
+    assert within_targets(_row())
+    for key, bound in TARGETS.items():
+        assert within_targets(_row(**{key: bound})) and within_targets(_row(**{key: -bound}))
+        assert not within_targets(_row(**{key: bound * 1.01})), key
+        assert not within_targets(_row(**{key: -bound * 1.01})), key
+
+
+def test_the_history_keeps_each_runs_goodputs_errors_and_verdicts(tmp_path):
+    stored = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    out = tmp_path / "history.json"
+    assert history.main(["--out", str(out), f"{ROOT / 'assets' / 'sim' / 'cpu_validation.json'}=15:41"]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["label"] == "15:41"
+    assert run["step_model"]["colocated"]["mape"] == stored["colocated"]["step_model"]["mape"]
+    assert run["step_model"]["decode"]["noise_floor"] == stored["1p1d"]["step_model"]["decode"]["noise_floor"]
+    for engine in ("colocated", "1p1d"):
+        assert run[engine]["goodput"]["sim"] == stored[engine]["goodput"]["sim"]
+        for row in stored[engine]["rows"]:
+            load = run[engine]["loads"][str(row["fraction"])]
+            assert load["errors"]["p90_ttft_ms"] == row["p90_ttft_ms"]["error"]
+            assert load["within_targets"] == within_targets(row)
+    # The stored run's verdicts, as chapter 05b states them.
+    assert [f for f, v in run["colocated"]["loads"].items() if v["within_targets"]] == ["0.85"]
+    assert [f for f, v in run["1p1d"]["loads"].items() if v["within_targets"]] == ["0.6"]
+
+
+def test_the_history_names_each_run_or_refuses(tmp_path):
+    report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    report.pop("started", None)
+    unnamed = tmp_path / "report.json"
+    unnamed.write_text(json.dumps(report))
+    with pytest.raises(SystemExit):
+        history.main(["--out", str(tmp_path / "h.json"), str(unnamed)])
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({**report, "started": "20:05 UTC"}))
+    assert history.main(["--out", str(tmp_path / "h.json"), str(named)]) == 0
+    assert json.loads((tmp_path / "h.json").read_text())["runs"][0]["label"] == "20:05 UTC"
+    (tmp_path / "other.json").write_text(json.dumps({"machine": "x"}))
+    with pytest.raises(SystemExit):
+        history.main(["--out", str(tmp_path / "h.json"), str(tmp_path / "other.json") + "=a"])
