@@ -301,13 +301,17 @@ def receive(socket: Any, codec: Codec, timeout: float | None, what: str) -> Any:
     return None
 
 
-def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception], what: str) -> None:
-    """Send on a ZeroMQ push socket without blocking for ever: retried while ``peer_alive()``, else ``error``.
+def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception], what: str,
+                patience: float | None = None) -> None:
+    """Send on a ZeroMQ push socket without blocking for ever: retried while ``peer_alive()``, else ``error``;
+    with ``patience``, also ``error`` once that many seconds have gone by without the message being taken.
 
-    (A push socket whose peer is gone would block a plain send until the peer came back.)
+    (A push socket whose peer is gone would block a plain send until the peer came back; one whose peer is
+    alive but never connected — a process stopped or stuck while it starts — until it connects.)
     """
     import zmq
 
+    deadline = None if patience is None else time.monotonic() + patience
     while True:
         try:
             socket.send(data, flags=zmq.NOBLOCK)
@@ -315,6 +319,8 @@ def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception
         except zmq.Again:
             if not peer_alive():
                 raise error(f"{what} is gone") from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise error(f"{what} took no message for {patience:g} s") from None
             time.sleep(0.001)
         except zmq.ZMQError as err:  # the socket (or its context) was closed under us
             raise error(f"{what}: cannot send ({err})") from None

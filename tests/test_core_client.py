@@ -3,6 +3,7 @@ and what a client sees when the core process is killed or does not answer in tim
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -261,3 +262,44 @@ def test_the_shared_front_end_drives_a_core_in_a_thread_or_a_process(llm, where)
         assert long.finish_reason == "abort" and len(long.token_ids) < 500
     finally:
         core.shutdown()
+
+
+def test_a_core_process_stopped_while_starting_times_out_and_is_killed(monkeypatch):
+    """A core process wedged before it connects (stopped here as it starts): the start gives up after
+    ``start_timeout`` and the process is killed — the goodbye sent to it used to be retried for as long as it
+    lived, so the constructor never returned."""
+    stopped: list[int] = []
+    original = CoreClient._wait_ready
+
+    def stop_then_wait(self, timeout):
+        os.kill(self.process.pid, signal.SIGSTOP)
+        stopped.append(self.process.pid)
+        return original(self, timeout)
+
+    monkeypatch.setattr(CoreClient, "_wait_ready", stop_then_wait)
+    outcome: dict = {}
+
+    def start() -> None:
+        try:
+            CoreClient.in_process("tiny-py", start_timeout=2)
+        except Exception as err:  # (looked at below)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=start, daemon=True)
+    began = time.monotonic()
+    thread.start()
+    thread.join(timeout=60)
+    try:
+        assert not thread.is_alive(), "the start hung after its timeout"
+        assert isinstance(outcome.get("error"), TimeoutError) and "not ready after 2 s" in str(outcome["error"])
+        assert time.monotonic() - began < 30
+        (pid,) = stopped
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists(), "the stopped core process was left behind"
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=30)

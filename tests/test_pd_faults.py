@@ -12,6 +12,7 @@ import gc
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -187,3 +188,45 @@ def test_a_release_that_finds_its_worker_gone_does_not_end_the_run(llm, monkeypa
         monkeypatch.setattr(cluster.workers, "send", send_or_fail)
         assert tokens(pd.generate(prompts, params)) == expected
         assert failed  # releases were sent, and failed
+
+
+def test_a_worker_stopped_while_starting_times_the_start_out_and_is_killed(monkeypatch):
+    """A spawned worker wedged before it connects (stopped here as it starts): the start gives up after
+    ``start_timeout`` and every worker is killed — the goodbye sent to it used to be retried for as long as it
+    lived, so the constructor never returned."""
+    from minipd.pd import processes
+
+    stopped: list[int] = []
+    original = processes.WorkerGroup._wait_ready
+
+    def stop_then_wait(self, timeout):
+        for worker in self.workers.values():
+            os.kill(worker.process.pid, signal.SIGSTOP)
+            stopped.append(worker.process.pid)
+        return original(self, timeout)
+
+    monkeypatch.setattr(processes.WorkerGroup, "_wait_ready", stop_then_wait)
+    outcome: dict = {}
+
+    def start() -> None:
+        try:
+            DisaggregatedLLM("tiny-py", start_timeout=2)
+        except Exception as err:  # (looked at below)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=start, daemon=True)
+    began = time.monotonic()
+    thread.start()
+    thread.join(timeout=60)
+    try:
+        assert not thread.is_alive(), "the start hung after its timeout"
+        assert "were not ready after 2 s" in str(outcome.get("error"))
+        assert time.monotonic() - began < 30
+        assert len(stopped) == 2
+        for pid in stopped:
+            wait_gone(pid)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        thread.join(timeout=30)

@@ -283,8 +283,10 @@ def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, 
     """
 
     def send(message: Any) -> None:
+        # A goodbye is sent briefly: a core process stopped or stuck before it connected never takes it, and
+        # shutting down must not wait for it (the process is killed after its grace period instead).
         send_nowait(push, codec.encode(message), peer_alive, EngineDeadError,
-                    "the other end of the engine core's queue")
+                    "the other end of the engine core's queue", 1.0 if isinstance(message, cm.Shutdown) else None)
 
     def receive(timeout: float | None) -> Any:
         return wire_receive(pull, codec, timeout, "engine core channel")

@@ -222,10 +222,11 @@ class WorkerGroup:
         """The live workers of ``role`` ("prefill" or "decode")."""
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
-    def send(self, worker: Worker, message: m.Message) -> None:
-        """Send ``message`` to ``worker`` (a WorkerError if it cannot take it and is dead)."""
+    def send(self, worker: Worker, message: m.Message, patience: float | None = None) -> None:
+        """Send ``message`` to ``worker`` (a WorkerError if it cannot take it and is dead, or, with ``patience``,
+        has not taken it after that many seconds)."""
         send_nowait(worker.socket, self.codec.encode(message), lambda: worker.alive, WorkerError,
-                    f"worker {worker.name}")
+                    f"worker {worker.name}", patience)
 
     def receive(self, timeout: float) -> m.Message | None:
         """The next message from a worker (waiting up to ``timeout`` for one); None when none came.
@@ -268,11 +269,15 @@ class WorkerGroup:
             return
         self.closed = True
         for worker in self.workers.values():
+            told = False
             # A launched worker may only look dead because nobody listened to its heartbeats: tell it anyway.
             if worker.process is None or worker.alive:
+                # (Briefly: a worker stopped or stuck before it connected never takes the message, and waiting
+                # for it to would hang here for ever; ours are then killed, a launched one is beyond reach.)
                 with contextlib.suppress(Exception):
-                    self.send(worker, m.Shutdown())
-            if worker.process is not None and worker.fenced:
+                    self.send(worker, m.Shutdown(), patience=1.0)
+                    told = True
+            if worker.process is not None and (worker.fenced or not told):
                 worker.process.kill()  # (already killed when fenced; a stopped one may not have died yet)
         deadline = time.monotonic() + 10
         for worker in self.workers.values():
