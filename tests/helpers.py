@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,3 +149,24 @@ def need_cpu_kernel():
                         "exists")
         pytest.skip("MINIPD_NO_CPU_KERNEL=1: the kernel is not built here (the reference is used)")
     return module
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port below the system's ephemeral range, for a front end that workers connect to before it
+    listens. Their connects are retried, and a retried connect to a port inside that range can be given that
+    very port as its own source (a TCP self-connect), holding the port the front end then fails to bind —
+    the likely cause of the `Address already in use` that once failed a launched-workers test."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    choose = random.Random()
+    for _ in range(200):
+        port = choose.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host}")

@@ -13,10 +13,11 @@ import sys
 import time
 
 import pytest
+from helpers import listen_port
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.pd.transport import nixl_available
-from minipd.pd.worker import free_port, role_options
+from minipd.pd.worker import role_options
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +55,7 @@ def stop(processes: list[subprocess.Popen]) -> None:
 def test_launched_workers_join_serve_and_survive_a_kill(kv_transport):
     if kv_transport == "nixl" and nixl_available() is not None:
         pytest.skip(f"needs NIXL: {nixl_available()}")
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{listen_port()}"
     workers = launch(["prefill", "decode", "decode"], address)
     try:
         prompts, params, expected = workload()
@@ -82,7 +83,7 @@ def test_launched_workers_join_serve_and_survive_a_kill(kv_transport):
 def test_a_stopped_launched_worker_is_fenced_and_sent_home_when_it_wakes_up():
     if nixl_available() is not None:
         pytest.skip(f"needs NIXL: {nixl_available()}")
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{listen_port()}"
     workers = launch(["prefill", "decode", "decode"], address)
     try:
         prompts, params, expected = workload()
@@ -108,7 +109,7 @@ def test_a_stopped_launched_worker_is_fenced_and_sent_home_when_it_wakes_up():
 
 
 def test_a_worker_too_many_is_sent_home_and_a_missing_one_times_out():
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{listen_port()}"
     workers = launch(["prefill", "prefill"], address)
     try:
         with pytest.raises(Exception, match=r"only \{'prefill': 1, 'decode': 0\} of \{'prefill': 1, 'decode': 1\}"):
@@ -124,7 +125,7 @@ def test_the_worker_command_refuses_bad_input_clearly():
     bad = subprocess.run([*run, "--connect", "tcp://127.0.0.1:9", "--role", "router"], env=env(),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--role" in bad.stderr and "prefill" in bad.stderr
-    lonely = subprocess.run([*run, "--connect", f"tcp://127.0.0.1:{free_port()}", "--role", "decode",
+    lonely = subprocess.run([*run, "--connect", f"tcp://127.0.0.1:{listen_port()}", "--role", "decode",
                              "--join-timeout", "1"], env=env(), capture_output=True, text=True, timeout=60)
     assert lonely.returncode == 2 and "no front end answered" in lonely.stderr
 

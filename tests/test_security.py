@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 import zmq
+from helpers import listen_port
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
 from minipd.engine import core_messages as cm
@@ -33,7 +34,6 @@ from minipd.kv.spec import KVSpec
 from minipd.pd import messages as pm
 from minipd.pd.kv_layout import PoolLayout
 from minipd.pd.transport import nixl_available
-from minipd.pd.worker import free_port
 from minipd.wire import Codec, WireError, cluster_secret, new_key
 
 PROMPTS = ["def fib(n):", "import os\n", "class Tree:", "for i in range(10):"]
@@ -222,7 +222,7 @@ def test_a_listening_front_end_and_launched_workers_refuse_pickles_and_keep_serv
     monkeypatch.delenv("MINIPD_CLUSTER_SECRET_FILE", raising=False)
     marker = tmp_path / "ran"
     evil = pickle.dumps(Payload(marker))
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = f"tcp://127.0.0.1:{listen_port()}"
     result: dict = {}
 
     def front_end() -> None:
