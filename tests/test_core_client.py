@@ -292,7 +292,7 @@ def test_a_core_process_stopped_while_starting_times_out_and_is_killed(monkeypat
     try:
         assert not thread.is_alive(), "the start hung after its timeout"
         assert isinstance(outcome.get("error"), TimeoutError) and "not ready after 2 s" in str(outcome["error"])
-        assert time.monotonic() - began < 30
+        assert time.monotonic() - began < 20  # the start timeout, a second of patience, then a kill
         (pid,) = stopped
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():

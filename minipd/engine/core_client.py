@@ -143,7 +143,7 @@ class CoreClient:
             except queue.Empty:
                 return None
 
-        return cls(inbox.put, get, thread.is_alive, lambda: thread.join(timeout=10))
+        return cls(inbox.put, get, thread.is_alive, lambda grace: thread.join(timeout=10))
 
     @classmethod
     def in_process(cls, model: str | os.PathLike, start_timeout: float = 120.0, **llm_options: Any) -> CoreClient:
@@ -169,8 +169,8 @@ class CoreClient:
 
         send, receive = _channel(push, pull, process.is_alive, codec)
 
-        def stop() -> None:
-            process.join(timeout=10)
+        def stop(grace: float) -> None:
+            process.join(timeout=grace)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
@@ -255,17 +255,20 @@ class CoreClient:
                 raise TimeoutError(f"no output from the engine core within {timeout} s")
 
     def shutdown(self) -> None:
-        """Stop the core loop and wait for it (killing a process that does not stop in 10 s)."""
+        """Stop the core loop and wait for it (killing a process that does not stop in 10 s, or at once if it
+        could not even be told to: stopped, or stuck before it connected)."""
         if self.closed:
             return
         self.closed = True
+        told = False
         if self._is_alive():
             try:
                 with self._send_lock:
                     self._send(cm.Shutdown())
-            except Exception:  # already going away
+                told = True
+            except Exception:  # already going away, or not listening
                 pass
-        self._stop()
+        self._stop(10.0 if told else 0.0)
 
     def __enter__(self) -> CoreClient:
         return self
