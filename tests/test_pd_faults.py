@@ -230,3 +230,44 @@ def test_a_worker_stopped_while_starting_times_the_start_out_and_is_killed(monke
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         thread.join(timeout=30)
+
+
+def test_a_send_to_a_socket_nobody_connected_to_gives_up_after_its_patience(tmp_path):
+    import zmq
+
+    from minipd.pd.processes import WorkerError
+    from minipd.wire import send_nowait
+
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        push.bind(f"ipc://{tmp_path}/nobody")
+        began = time.monotonic()
+        with pytest.raises(WorkerError, match=r"took no message for 0\.2 s"):
+            send_nowait(push, b"hello", lambda: True, WorkerError, "nobody", patience=0.2)
+        assert time.monotonic() - began < 2
+        with pytest.raises(WorkerError, match="is gone"):  # a peer known dead: at once, patience or not
+            send_nowait(push, b"hello", lambda: False, WorkerError, "nobody", patience=60)
+    finally:
+        push.close(linger=0)
+        context.term()
+
+
+def test_closing_a_worker_group_with_a_socket_left_open_returns(tmp_path):
+    """A bind or connect that failed on the way in can leave a socket open in the group's context (a hello with
+    an unusable inbox did): closing must not wait for it for ever."""
+    import zmq
+
+    from minipd.pd.processes import WorkerGroup
+    from minipd.wire import Codec, new_key
+
+    group = WorkerGroup(Codec(new_key()), 5.0)
+    group._context = zmq.Context()
+    group._pull = group._context.socket(zmq.PULL)
+    group._pull.bind(f"ipc://{tmp_path}/out")
+    left_open = group._context.socket(zmq.PUSH)
+    left_open.connect(f"ipc://{tmp_path}/nobody")
+    closing = threading.Thread(target=group.close, daemon=True)
+    closing.start()
+    closing.join(timeout=20)
+    assert not closing.is_alive(), "close() waited for a socket left open"

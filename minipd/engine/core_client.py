@@ -143,7 +143,10 @@ class CoreClient:
             except queue.Empty:
                 return None
 
-        return cls(inbox.put, get, thread.is_alive, lambda grace: thread.join(timeout=10))
+        def put(message: Any, patience: float | None = None) -> None:
+            inbox.put(message)  # (a queue always takes it)
+
+        return cls(put, get, thread.is_alive, lambda grace: thread.join(timeout=10))
 
     @classmethod
     def in_process(cls, model: str | os.PathLike, start_timeout: float = 120.0, **llm_options: Any) -> CoreClient:
@@ -261,13 +264,16 @@ class CoreClient:
             return
         self.closed = True
         told = False
-        if self._is_alive():
+        # Briefly, lock included: a core stopped or stuck before it connected never takes the goodbye, and one
+        # wedged with a full queue holds a submitting thread (and the lock) until it is killed, which is next.
+        if self._is_alive() and self._send_lock.acquire(timeout=1.0):
             try:
-                with self._send_lock:
-                    self._send(cm.Shutdown())
+                self._send(cm.Shutdown(), patience=1.0)
                 told = True
             except Exception:  # already going away, or not listening
                 pass
+            finally:
+                self._send_lock.release()
         self._stop(10.0 if told else 0.0)
 
     def __enter__(self) -> CoreClient:
@@ -285,11 +291,9 @@ def _channel(push: Any, pull: Any, peer_alive: Any, codec: Codec) -> tuple[Any, 
     formed, is logged and dropped.
     """
 
-    def send(message: Any) -> None:
-        # A goodbye is sent briefly: a core process stopped or stuck before it connected never takes it, and
-        # shutting down must not wait for it (the process is killed after its grace period instead).
+    def send(message: Any, patience: float | None = None) -> None:
         send_nowait(push, codec.encode(message), peer_alive, EngineDeadError,
-                    "the other end of the engine core's queue", 1.0 if isinstance(message, cm.Shutdown) else None)
+                    "the other end of the engine core's queue", patience)
 
     def receive(timeout: float | None) -> Any:
         return wire_receive(pull, codec, timeout, "engine core channel")

@@ -291,7 +291,8 @@ class WorkerGroup:
             worker.socket.close(linger=0)
         if self._pull is not None:
             self._pull.close(linger=0)
-            self._context.term()
+            # (destroy, not term: a socket left open by a bind or connect that failed would make term wait for ever)
+            self._context.destroy(linger=0)
         self._store = None  # its server stops with the last reference, once every worker is gone
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
