@@ -64,6 +64,21 @@ def cpu_label() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
+def source_version() -> str:
+    """The commit this script's simulator is (with "+changes" if the tree differs from it), or "unknown"."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+changes" if dirty else "")
+
+
 def workload(n: int, rate: float, seed: int) -> list:
     return synthetic_workload(n, rate, PROMPTS, OUTPUTS, seed=seed)
 
@@ -154,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                              "as the report's were)")
     args = parser.parse_args(argv)
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
-    report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d"), "started": time.strftime("%H:%M %Z"),
-                    "prompts": PROMPTS,
+    now = time.gmtime()
+    report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d", now),
+                    "started": time.strftime("%H:%M UTC", now), "simulator": source_version(), "prompts": PROMPTS,
                     "outputs": OUTPUTS, "num_requests": args.num_requests, "slo": vars(slo)}
     earlier = earlier_runs = None
     if args.from_runs:
@@ -163,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier_runs = json.loads(gzip.decompress(Path(args.from_runs[1]).read_bytes()))
         kept = ("machine", "date", "started", "prompts", "outputs", "num_requests", "slo")
         report.update({k: earlier[k] for k in kept if k in earlier},
-                      simulated_again=time.strftime("%Y-%m-%d %H:%M"))
+                      simulated_again=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         slo, args.num_requests = Slo(**earlier["slo"]), earlier["num_requests"]
         if (earlier["prompts"], earlier["outputs"]) != (PROMPTS, OUTPUTS):
             raise SystemExit(f"--from-runs: the runs drew lengths {earlier['prompts']} / {earlier['outputs']}, this "

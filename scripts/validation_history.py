@@ -31,7 +31,7 @@ def summary(report: dict, label: str) -> dict:
     models = {"colocated": report["colocated"]["step_model"],
               "prefill": report["1p1d"]["step_model"]["prefill"], "decode": report["1p1d"]["step_model"]["decode"]}
     out = {"label": label, "machine": report["machine"], "date": report["date"],
-           "simulated_again": report.get("simulated_again"),
+           "simulated_again": report.get("simulated_again"), "simulator": report.get("simulator"),
            "step_model": {name: {"mape": m["mape"], "noise_floor": m["noise_floor"]} for name, m in models.items()}}
     for engine in ENGINES:
         entry = report[engine]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = []
     for item in args.reports:
-        path, _, label = item.partition("=")
+        path, _, label = item.rpartition("=") if "=" in item else (item, "", "")
         report = json.loads(Path(path).read_text())
         label = label or report.get("started", "")
         if not label:

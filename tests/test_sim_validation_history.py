@@ -27,6 +27,8 @@ def test_within_targets_holds_at_each_bound_and_fails_past_it():
         assert within_targets(_row(**{key: bound})) and within_targets(_row(**{key: -bound}))
         assert not within_targets(_row(**{key: bound * 1.01})), key
         assert not within_targets(_row(**{key: -bound * 1.01})), key
+    # Attainments are multiples of one request's share: 3 points apart exactly, whatever the last bit says.
+    assert 0.97 - 0.94 > 0.03 and within_targets(_row(slo_attainment=0.97 - 0.94))
 
 
 def test_the_history_keeps_each_runs_goodputs_errors_and_verdicts(tmp_path):

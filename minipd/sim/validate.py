@@ -329,8 +329,9 @@ TARGETS = {"median_ttft_ms": 0.10, "median_tpot_ms": 0.10, "p90_ttft_ms": 0.20, 
 
 def within_targets(row: dict[str, dict[str, float]]) -> bool:
     """Whether every figure of a :func:`compare` table (or a row of ``scripts/validate_simulator.py``'s report)
-    is within its :data:`TARGETS` bound."""
-    return all(abs(row[key]["error"]) <= bound for key, bound in TARGETS.items())
+    is within its :data:`TARGETS` bound (a bound met exactly counts: attainments are multiples of one request's
+    share, and their difference lands on 3 points exactly, give or take the last bit, often)."""
+    return all(abs(row[key]["error"]) <= bound + 1e-9 for key, bound in TARGETS.items())
 
 
 __all__ = ["TARGETS", "RealRun", "ReplayStepTime", "compare", "fit_control_latency", "fit_link", "instance_config",
