@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_runs:
         earlier = json.loads(Path(args.from_runs[0]).read_text())
         earlier_runs = json.loads(gzip.decompress(Path(args.from_runs[1]).read_bytes()))
-        kept = ("machine", "date", "started", "prompts", "outputs", "num_requests", "slo")
-        report.update({k: earlier[k] for k in kept if k in earlier},
+        # (The real runs' own date and start; a report from before starts were kept says nothing of its start.)
+        report.update({k: earlier[k] for k in ("machine", "date", "prompts", "outputs", "num_requests", "slo")},
+                      started=earlier.get("started"),
                       simulated_again=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         slo, args.num_requests = Slo(**earlier["slo"]), earlier["num_requests"]
         if (earlier["prompts"], earlier["outputs"]) != (PROMPTS, OUTPUTS):

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.reports:
         path, _, label = item.rpartition("=") if "=" in item else (item, "", "")
         report = json.loads(Path(path).read_text())
-        label = label or report.get("started", "")
+        label = label or report.get("started") or ""
         if not label:
             parser.error(f"{path}: the report does not say when its run started: give it as {path}=LABEL")
         missing = [k for k in ENGINES if k not in report]
