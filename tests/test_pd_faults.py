@@ -166,6 +166,40 @@ def test_a_shut_down_front_end_refuses_work_clearly():
 
 
 @needs_nixl
+def test_a_shutdown_from_another_thread_waits_for_the_step_under_way():
+    """ZeroMQ sockets are not thread-safe: a shutdown must not close them under a step another thread is taking."""
+    pd = DisaggregatedLLM("tiny-py", start_timeout=120)
+    try:
+        closed_at: list[float] = []
+        close = pd.workers.close
+
+        def timed_close() -> None:
+            closed_at.append(time.monotonic())
+            close()
+
+        pd.workers.close = timed_close
+        stepping = threading.Event()
+
+        def long_step() -> None:  # a step that holds the front end for a second
+            with pd._lock:
+                stepping.set()
+                time.sleep(1.0)
+                released.append(time.monotonic())
+
+        released: list[float] = []
+        thread = threading.Thread(target=long_step, daemon=True)
+        thread.start()
+        stepping.wait(10)
+        pd.shutdown()
+        thread.join(10)
+        assert closed_at and released and closed_at[0] >= released[0]
+        with pytest.raises(RuntimeError, match="shut down"):
+            pd.step()
+    finally:
+        pd.shutdown()
+
+
+@needs_nixl
 def test_a_release_that_finds_its_worker_gone_does_not_end_the_run(llm, monkeypatch):
     # A worker killed a moment before a release (of a reservation, of held K/V) reaches it: the send fails. Its
     # death is the pump's to notice and recover; the release itself is moot (a dead worker keeps nothing). Here

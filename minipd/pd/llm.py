@@ -236,11 +236,15 @@ class DisaggregatedLLM(LLMBase):
                     for role in ("prefill", "decode")}
 
     def shutdown(self) -> None:
-        """Stop every worker (killing those that do not stop within 10 s) and free the sockets; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.workers.close()
+        """Stop every worker (killing those that do not stop within 10 s) and free the sockets; idempotent.
+
+        Safe from another thread: it waits for a step under way to end (ZeroMQ sockets are not thread-safe), and
+        the calls after it raise that the engine is shut down."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.workers.close()
         with contextlib.suppress(Exception):
             atexit.unregister(self._at_exit)
 
