@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -174,3 +175,30 @@ def listen_port(host: str = "127.0.0.1") -> int:
                 continue
             return port
     raise RuntimeError(f"no free port below {low} on {host}")
+
+
+def failed_start(start, stopped: list[int], bound: float = 60.0) -> tuple[BaseException | None, float]:
+    """Run ``start`` (a start that is to fail) in a thread for at most ``bound`` seconds: what it raised and how
+    long it took. Should it hang, the processes in ``stopped`` are killed so that it ends, and the test fails."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            start()
+        except Exception as err:  # (returned to the test)
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    began = time.monotonic()
+    thread.start()
+    thread.join(timeout=bound)
+    took, hung = time.monotonic() - began, thread.is_alive()
+    if hung:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        thread.join(timeout=30)
+    assert not hung, f"the start hung: still running {bound:.0f} s after it began"
+    return outcome.get("error"), took

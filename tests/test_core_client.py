@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_child_exits_with_its_parent
+from helpers import assert_child_exits_with_its_parent, failed_start
 
 from minipd import LLM, SamplingParams
 from minipd.engine.core_client import CoreClient, CoreError, EngineDeadError, ExportedKV
@@ -277,22 +277,10 @@ def test_a_core_process_stopped_while_starting_times_out_and_is_killed(monkeypat
         return original(self, timeout)
 
     monkeypatch.setattr(CoreClient, "_wait_ready", stop_then_wait)
-    outcome: dict = {}
-
-    def start() -> None:
-        try:
-            CoreClient.in_process("tiny-py", start_timeout=2)
-        except Exception as err:  # (looked at below)
-            outcome["error"] = err
-
-    thread = threading.Thread(target=start, daemon=True)
-    began = time.monotonic()
-    thread.start()
-    thread.join(timeout=60)
     try:
-        assert not thread.is_alive(), "the start hung after its timeout"
-        assert isinstance(outcome.get("error"), TimeoutError) and "not ready after 2 s" in str(outcome["error"])
-        assert time.monotonic() - began < 20  # the start timeout, a second of patience, then a kill
+        error, took = failed_start(lambda: CoreClient.in_process("tiny-py", start_timeout=2), stopped)
+        assert isinstance(error, TimeoutError) and "not ready after 2 s" in str(error)
+        assert took < 20  # the start timeout, a second of patience, then a kill
         (pid,) = stopped
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
@@ -302,4 +290,3 @@ def test_a_core_process_stopped_while_starting_times_out_and_is_killed(monkeypat
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=30)

@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+from helpers import failed_start
 from pd_helpers import assert_gone, llm, mixed, needs_nixl, run_killing, tokens, wait_until_blocks_free
 
 from minipd import LLM, DisaggregatedLLM, SamplingParams
@@ -240,22 +241,10 @@ def test_a_worker_stopped_while_starting_times_the_start_out_and_is_killed(monke
         return original(self, timeout)
 
     monkeypatch.setattr(processes.WorkerGroup, "_wait_ready", stop_then_wait)
-    outcome: dict = {}
-
-    def start() -> None:
-        try:
-            DisaggregatedLLM("tiny-py", start_timeout=2)
-        except Exception as err:  # (looked at below)
-            outcome["error"] = err
-
-    thread = threading.Thread(target=start, daemon=True)
-    began = time.monotonic()
-    thread.start()
-    thread.join(timeout=60)
     try:
-        assert not thread.is_alive(), "the start hung after its timeout"
-        assert "were not ready after 2 s" in str(outcome.get("error"))
-        assert time.monotonic() - began < 20  # the start timeout, a second of patience, then a kill
+        error, took = failed_start(lambda: DisaggregatedLLM("tiny-py", start_timeout=2), stopped)
+        assert "were not ready after 2 s" in str(error)
+        assert took < 20  # the start timeout, a second of patience, then a kill
         assert len(stopped) == 2
         for pid in stopped:
             wait_gone(pid)
@@ -263,7 +252,6 @@ def test_a_worker_stopped_while_starting_times_the_start_out_and_is_killed(monke
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        thread.join(timeout=30)
 
 
 def test_a_send_to_a_socket_nobody_connected_to_gives_up_after_its_patience(tmp_path):
