@@ -293,3 +293,35 @@ def test_closing_a_worker_group_with_a_socket_left_open_returns(tmp_path):
     closing.start()
     closing.join(timeout=20)
     assert not closing.is_alive(), "close() waited for a socket left open"
+
+
+def test_a_front_end_binds_a_port_held_for_a_moment_and_names_one_held_for_good():
+    """A port taken briefly (a worker's retried connect can self-connect to it) is bound once free; one another
+    program keeps gives a clear error naming the address."""
+    import socket
+
+    import zmq
+
+    from minipd.pd.processes import WorkerError, bind_patiently
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    threading.Timer(0.5, holder.close).start()
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    try:
+        bind_patiently(pull, f"tcp://127.0.0.1:{port}", within=10)  # free after half a second
+        other = context.socket(zmq.PULL)
+        try:
+            began = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"cannot listen at tcp://127\.0\.0\.1:{port}: the port is in use"):
+                bind_patiently(other, f"tcp://127.0.0.1:{port}", within=0.5)
+            assert 0.4 < time.monotonic() - began < 5
+        finally:
+            other.close(linger=0)
+    finally:
+        pull.close(linger=0)
+        holder.close()
+        context.term()

@@ -143,7 +143,7 @@ class WorkerGroup:
         self._pull = self._context.socket(zmq.PULL)
         hellos: list[tuple[str, m.Hello]] = []  # in the order they came, with the name each worker was given
         try:
-            self._pull.bind(listen)
+            bind_patiently(self._pull, listen)
             wanted = {"prefill": num_prefill, "decode": num_decode}
             deadline = time.monotonic() + timeout
             while len(hellos) < num_prefill + num_decode:
@@ -298,4 +298,29 @@ class WorkerGroup:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-__all__ = ["Transport", "Worker", "WorkerError", "WorkerGroup"]
+def bind_patiently(socket: Any, address: str, within: float = 3.0) -> None:
+    """Bind ``socket`` to ``address``, trying again for up to ``within`` seconds while the port is in use.
+
+    Workers started before their front end retry their connects to its address, and on this machine a retried
+    connect to a port inside the system's ephemeral range can be given that port as its own source (a TCP
+    self-connect) and hold it for a moment; so can any outgoing connection. A port still taken after ``within``
+    seconds is another program's: a WorkerError says so."""
+    import errno
+
+    import zmq
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.bind(address)
+            return
+        except zmq.ZMQError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            if time.monotonic() > deadline:
+                raise WorkerError(f"cannot listen at {address}: the port is in use (by another program, or "
+                                  f"another front end); choose another one") from None
+            time.sleep(0.1)
+
+
+__all__ = ["Transport", "Worker", "WorkerError", "WorkerGroup", "bind_patiently"]
