@@ -57,6 +57,19 @@ def test_placements_spend_the_budget_and_reduce_to_units():
     assert all(i.devices >= 2 for s in placements(big, 4, tps=(1, 2, 4)) for i in s.instances)
 
 
+def test_units_below_the_budget_are_the_placements_no_full_one_is_copies_of():
+    cluster = GpuCluster(preset("opt-13b"), A100_80GB, NVLINK4)
+    full = {s.describe() for s in placements(cluster, 4, tps=(1, 2))}
+    every = [s.describe() for s in placements(cluster, 4, tps=(1, 2), units_below=True)]
+    assert full <= set(every) and len(every) == len(set(every))
+    # DistServe's own OPT-13B placement (three GPUs) is in; halves and thirds of full ones are not.
+    assert set(every) - full == {"1P(tp2)+1D", "1P+1D(tp2)", "2P+1D", "1P+2D"}
+    assert {unit_of(s)[0].describe() for s in placements(cluster, 4, tps=(1, 2), units_below=True)} == \
+        {unit_of(s)[0].describe() for s in placements(cluster, 4, tps=(1, 2))} | (set(every) - full)
+    assert [s.describe() for s in placements(cluster, 4, tps=(1, 2), disaggregated=False, units_below=True)] == \
+        ["4C", "2C(tp2)"]  # 3C and 1C(tp2) are copies of 1C and of half of 2C(tp2)
+
+
 def test_the_search_ranks_by_goodput_per_device_and_checks_the_best_whole():
     cluster = GpuCluster(preset("llama-3-8b"), H100_SXM, NVLINK4)
     shape = WorkloadShape("256:1024", "32:128", num_requests=100, duration_s=10.0)

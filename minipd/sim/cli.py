@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--placement", default="1P+1D", help="e.g. 4C, 2C(tp2), 1P+3D, 2P(tp2)+4D (default 1P+1D)")
     what.add_argument("--search", type=int, metavar="DEVICES",
                       help="rank every placement on this many devices by goodput per device")
+    parser.add_argument("--units-below", action="store_true",
+                        help="with --search, also rank the placements on fewer devices that are no copy of one on all "
+                             "of them (1P(tp2)+1D on 3 of 4), as DistServe ranks the units it replicates")
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s (default 4)")
     parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
     parser.add_argument("--num-requests", type=int, default=200,
@@ -147,8 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "dispatch_latency_s": cluster.dispatch_latency_s, "output_latency_s": cluster.output_latency_s})
     if args.search is not None:
         started = time.perf_counter()
-        ranked = search_placements(placements(cluster, args.search), shape, slo, args.attainment, verify=1,
-                                   progress=True)
+        ranked = search_placements(placements(cluster, args.search, units_below=args.units_below), shape, slo,
+                                   args.attainment, verify=1, progress=True)
         print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         print(f"{args.model} on {args.search} x {device.name}, link {link.name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")

@@ -178,9 +178,27 @@ class GpuCluster:
 
 
 def placements(cluster: GpuCluster, devices: int, tps: Sequence[int] = (1, 2, 4, 8),
-               colocated: bool = True, disaggregated: bool = True) -> list[ClusterSpec]:
+               colocated: bool = True, disaggregated: bool = True, units_below: bool = False) -> list[ClusterSpec]:
     """Every placement that uses exactly ``devices`` devices, with tensor-parallel degrees from ``tps`` that
-    leave room for K/V."""
+    leave room for K/V.
+
+    ``units_below``: also the placements on fewer devices that are no copy of one above (``1P(tp2)+1D`` on three
+    of four GPUs; not ``1P+1D``, half of ``2P+2D``): ranked by goodput per device, as DistServe ranks the units
+    it then replicates to meet the traffic, they count as much as the ones that fill the budget."""
+    specs = _filling(cluster, devices, tps, colocated, disaggregated)
+    if units_below:
+        seen = {unit_of(spec)[0].describe() for spec in specs}
+        for fewer in range(devices - 1, 0, -1):
+            for spec in _filling(cluster, fewer, tps, colocated, disaggregated):
+                unit = unit_of(spec)[0].describe()
+                if unit not in seen:
+                    seen.add(unit)
+                    specs.append(spec)
+    return specs
+
+
+def _filling(cluster: GpuCluster, devices: int, tps: Sequence[int], colocated: bool, disaggregated: bool
+             ) -> list[ClusterSpec]:
     usable = [tp for tp in tps if tp <= devices and cluster.fits(tp)]
     specs = []
     if colocated:
