@@ -162,9 +162,9 @@ def listen_port(host: str = "127.0.0.1") -> int:
     except (OSError, ValueError, IndexError):
         low = 32768
     if low <= 2048:  # (no room below it: any free port, as the system hands them out)
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            return probe.getsockname()[1]
+        from minipd.pd.worker import free_port
+
+        return free_port(host)
     choose = random.Random()
     for _ in range(200):
         port = choose.randrange(max(1024, low - 12000), low)

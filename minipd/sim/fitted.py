@@ -61,10 +61,11 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             if (solution < 0).any():
                 continue
             residual = y - x[:, chosen] @ solution
-            if float(residual @ residual) < best_residual * (1 - 1e-12):
+            squares = float(residual @ residual)
+            if squares < best_residual * (1 - 1e-12):
                 best = np.zeros(columns)
                 best[chosen] = solution
-                best_residual = float(residual @ residual)
+                best_residual = squares
     return best
 
 
