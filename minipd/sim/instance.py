@@ -123,6 +123,10 @@ class SimInstance:
         self._wake: Any = None
         self._poked = False  # poked since the step began (by a callback of the step itself, say)
         self._announced: set[str] = set()
+        # Bumped by every change to the queue or the pool, so that free_blocks (asked by the router for every
+        # request it places, while queues can be thousands long) is summed once per change.
+        self._version = 0
+        self._free_blocks_cache = (-1, 0)
         self.process = env.process(self._run())
 
     def _now(self) -> float:
@@ -132,17 +136,20 @@ class SimInstance:
     def add(self, request: Request) -> None:
         """Queue a request (it must fit the pool: :meth:`StepCore.check_fits` raises otherwise)."""
         self.core.add_request(request)
+        self._version += 1
         self.poke()
 
     def release_kv(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request kept (its K/V were read)."""
         self.core.abort_requests([request_id])
+        self._version += 1
         self.poke()
 
     def kv_arrived(self, request_id: str) -> None:
         """The K/V a request waited for are in its blocks: it may compute."""
         self._announced.discard(request_id)
         self.core.scheduler.kv_arrived(request_id)
+        self._version += 1
         self.poke()
 
     def poke(self) -> None:
@@ -162,10 +169,14 @@ class SimInstance:
     def free_blocks(self) -> int:
         """Free KV blocks less those the requests queued here will take when admitted (as the real cluster
         counts blocks promised to requests on their way to a worker)."""
-        bm = self.core.block_manager
-        promised = sum(-(-r.num_tokens // bm.block_size) for r in self.core.scheduler.waiting
-                       if not r.blocks.block_table)
-        return bm.num_free_blocks - promised
+        version, free = self._free_blocks_cache
+        if version != self._version:
+            bm = self.core.block_manager
+            promised = sum(-(-r.num_tokens // bm.block_size) for r in self.core.scheduler.waiting
+                           if not r.blocks.block_table)
+            free = bm.num_free_blocks - promised
+            self._free_blocks_cache = (self._version, free)
+        return free
 
     # ------------------------------------------------------------------------------ loop
     def _run(self) -> Iterator[Any]:
@@ -178,6 +189,7 @@ class SimInstance:
             start = self.env.now
             self._poked = False
             outputs = core.step()
+            self._version += 1
             duration, executor.pending = executor.pending, 0.0
             self._announce_waiting()
             if not outputs.num_scheduled_tokens:
