@@ -10,7 +10,16 @@ from minipd.sim.cli import parse_placement
 from minipd.sim.cluster import simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, preset
 from minipd.sim.roofline import NVLINK4
-from minipd.sim.search import GpuCluster, WorkloadShape, find_goodput, placements, search_placements, unit_of
+from minipd.sim.search import (
+    GpuCluster,
+    WorkloadShape,
+    find_goodput,
+    placement_goodput,
+    placements,
+    search_placements,
+    steady_duration,
+    unit_of,
+)
 
 
 def fake_run(edge: float):
@@ -39,6 +48,32 @@ def test_a_workload_lasts_its_duration_whatever_the_rate():
     assert len(shape.at(1.0)) == 50 and len(shape.at(10.0)) == 200
     assert shape.at(10.0)[-1].send_at == pytest.approx(20.0, rel=0.2)
     assert [r.prompt_len for r in shape.at(10.0)[:50]] == [r.prompt_len for r in shape.at(2.0)[:50]]
+
+
+def test_a_steady_run_lasts_twenty_lifetimes_of_a_request_that_just_meets_the_slos():
+    # 100 ms to the first token, then 64 tokens (the mean of 32:96) at 25 ms: 1.7 s; 20 of them.
+    assert steady_duration("32:96", Slo(100, 25)) == pytest.approx(20 * (0.1 + 64 * 0.025), rel=0.01)
+    assert steady_duration(64, Slo(tpot_ms=10), lifetimes=5, floor_s=0) == pytest.approx(3.2)
+    assert steady_duration(8, Slo(100, 10)) == 30.0  # the floor
+    with pytest.raises(ValueError, match="tpot_ms"):
+        steady_duration(64, Slo(ttft_ms=100))
+    with pytest.raises(ValueError, match="lifetimes"):
+        steady_duration(64, Slo(100, 10), lifetimes=0)
+
+
+def test_short_runs_overstate_goodput_and_steady_ones_agree_with_longer_ones():
+    cluster = GpuCluster(preset("llama-3-8b"), H100_SXM, NVLINK4)
+    slo = Slo(300, 20)
+    steady = steady_duration("32:96", slo)
+
+    def goodput(duration_s: float) -> float:
+        shape = WorkloadShape("512:2048", "32:96", 50, duration_s=duration_s)
+        return placement_goodput(cluster.colocated(1, 1), shape, slo, start=8.0, rel_tol=0.05)[0]
+
+    short, steady_goodput, longer = goodput(2.0), goodput(steady), goodput(2 * steady)
+    # Two seconds of arrivals pass rates the instance cannot sustain: no queue has had time to grow.
+    assert short > 1.2 * steady_goodput
+    assert abs(steady_goodput / longer - 1) <= 0.1
 
 
 def test_placements_spend_the_budget_and_reduce_to_units():
@@ -133,6 +168,18 @@ def test_the_command_line_runs_a_placement_and_writes_json(tmp_path, capsys):
 
     report = json.loads(out.read_text())
     assert report["placement"] == "1P+1D" and report["summary"]["completed"] == 40
+
+
+def test_the_command_lines_goodput_runs_last_a_steady_duration_unless_told(tmp_path, capsys):
+    common = ["--model", "llama-3-8b", "--gpu", "h100", "--placement", "1C", "--goodput", "--rate", "8",
+              "--output-lens", "32:96", "--ttft-slo-ms", "300", "--tpot-slo-ms", "20"]
+    out = tmp_path / "goodput.json"
+    assert simulate_main([*common, "--json", str(out)]) == 0
+    assert f"each run: {steady_duration('32:96', Slo(300, 20)):.0f} s of arrivals" in capsys.readouterr().err
+    assert simulate_main([*common, "--duration", "5"]) == 0
+    assert "each run: 5 s of arrivals" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--duration must be"):
+        simulate_main([*common, "--duration", "0"])
 
 
 def test_the_command_line_takes_efficiencies_refuses_bad_ones_and_uses_the_a100s_own_nvlink(tmp_path, capsys):

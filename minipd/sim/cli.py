@@ -39,7 +39,14 @@ from minipd.sim.roofline import (
     NVLINK4,
     PCIE5_X16,
 )
-from minipd.sim.search import GpuCluster, WorkloadShape, placement_goodput, placements, search_placements
+from minipd.sim.search import (
+    GpuCluster,
+    WorkloadShape,
+    placement_goodput,
+    placements,
+    search_placements,
+    steady_duration,
+)
 
 GPUS = {"a100": A100_80GB, "h100": H100_SXM, "h200": H200}
 LINKS = {"nvlink": NVLINK4, "pcie": PCIE5_X16, "ib": IB_400G}
@@ -81,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
     parser.add_argument("--num-requests", type=int, default=200,
                         help="requests of a single run; at least this many in each run of --goodput or --search")
-    parser.add_argument("--duration", type=float, default=30.0,
-                        help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default 30)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="--goodput and --search: seconds of arrivals in each run, whatever the rate (default: "
+                             "20 lifetimes of a request that just meets the SLOs, at least 30 s, "
+                             "minipd.sim.search.steady_duration; 30 s without a TPOT SLO)")
     lengths = "N, LOW:HIGH (uniform), normal:MEAN:STD[:MAX] or lognormal:MEAN:SIGMA[:MAX]"
     parser.add_argument("--prompt-lens", default="256:1024", help=f"{lengths} (default 256:1024)")
     parser.add_argument("--output-lens", default="64:256", help=f"{lengths} (default 64:256)")
@@ -142,8 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "memory_efficiency": cluster.memory_efficiency,
                                  "rows": [{"figure": n, "published": p, "simulated": s} for n, p, s in fit.rows()]}
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
+    duration = args.duration
+    if duration is None:
+        duration = steady_duration(args.output_lens, slo) if slo.tpot_ms is not None else 30.0
+    elif not (math.isfinite(duration) and duration > 0):
+        raise ValueError(f"--duration must be a finite number of seconds > 0, got {duration}")
     shape = WorkloadShape(args.prompt_lens, args.output_lens, args.num_requests, args.burstiness, args.seed,
-                          args.duration)
+                          duration)
+    if needs_slo:
+        print(f"each run: {duration:.0f} s of arrivals", file=sys.stderr)
     report.update({"model": args.model, "gpu": device.name, "link": link.name, "layerwise": args.layerwise,
                    "slo": vars(slo), "compute_efficiency": cluster.compute_efficiency,
                    "memory_efficiency": cluster.memory_efficiency, "step_overhead_s": cluster.step_overhead_s,
