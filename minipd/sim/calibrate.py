@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from minipd.serve.loadgen import Slo
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.costs import A100_80GB, DeviceSpec, preset
-from minipd.sim.search import GpuCluster, WorkloadShape, placement_goodput
+from minipd.sim.search import GpuCluster, WorkloadShape, placement_goodput, steady_duration
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _bisect(meets_at: Callable[[float], bool], low: float = 0.02, high: float = 
 
 
 def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_1, num_requests: int = 200,
-              duration_s: float = 30.0, rel_tol: float = 0.02, iterations: int = 10, rounds: int = 2,
+              duration_s: float | None = None, rel_tol: float = 0.02, iterations: int = 10, rounds: int = 2,
               seed: int = 0, progress: bool = False) -> Calibration:
     """``cluster`` on ``figures``' model and device, its compute and memory efficiencies fitted so that one
     device's simulated prefill-only and decode-only goodputs match ``figures``, and the colocated and split
@@ -151,12 +151,15 @@ def calibrate(cluster: GpuCluster, figures: PublishedFigures = DISTSERVE_FIGURE_
     efficiencies onto its cluster.
 
     Runs ``rounds × 2`` bisections of ``iterations`` steps, each step one simulation at the published rate
-    (``num_requests`` requests or ``duration_s`` seconds of arrivals, whichever is more), then a goodput
+    (``num_requests`` requests or ``duration_s`` seconds of arrivals, whichever is more; by default
+    :func:`~minipd.sim.search.steady_duration` of the figures' answers and SLOs, 59 s for Figure 1), then a goodput
     search (to ``rel_tol``) for each of the four figures. The colocated figure uses ``cluster``'s colocated
     scheduling policy (DistServe's baseline: ``"prefill-only"``).
     """
     if rounds < 1 or iterations < 1:
         raise ValueError(f"rounds and iterations must be >= 1, got {rounds} and {iterations}")
+    if duration_s is None:
+        duration_s = steady_duration(figures.output_len, Slo(figures.ttft_slo_ms, figures.tpot_slo_ms))
     shape = WorkloadShape(figures.prompt_len, figures.output_len, num_requests, seed=seed, duration_s=duration_s)
     # (The published figures come with their engine's own control messages inside them: none added on top.)
     cluster = dataclasses.replace(cluster, model=preset(figures.model), device=figures.device, dispatch_latency_s=0.0,
