@@ -18,6 +18,7 @@ from minipd.viz.sim import (
     plot_best_placement,
     plot_claims,
     plot_goodput_bars,
+    plot_goodput_vs_duration,
     plot_real_vs_sim,
     plot_replay,
     plot_simulator,
@@ -127,6 +128,20 @@ def test_goodput_bars_are_ranked_and_coloured():
     assert [b.get_width() for b in bars] == [3.6, 5.5, 8.25]
     assert bars[0].get_hatch() == "//" and not bars[1].get_hatch()
     assert [t.get_text() for t in ax.get_yticklabels()] == ["2P+2D", "4C", "2C(tp2)"]
+
+
+def test_goodput_against_run_length_draws_a_line_per_placement_in_order_of_length():
+    points = [{"placement": "1C(tp2)", "duration_s": 300.0, "per_device": 3.7},
+              {"placement": "1C(tp2)", "duration_s": 20.0, "per_device": 5.4},
+              {"placement": "1P(tp2)+1D", "duration_s": 20.0, "per_device": 3.5},
+              {"placement": "1P(tp2)+1D", "duration_s": 300.0, "per_device": 1.3}]
+    ax = plot_goodput_vs_duration(points, marks={"steady": 347.0})
+    co, dis = by_gid(ax, "curve:1C(tp2)"), by_gid(ax, "curve:1P(tp2)+1D")
+    assert list(co.get_xdata()) == [20.0, 300.0] and list(co.get_ydata()) == [5.4, 3.7]
+    assert co.get_color() == KIND_COLORS["colocated"] and dis.get_color() == KIND_COLORS["disaggregated"]
+    assert list(by_gid(ax, "mark:steady").get_xdata()) == [347.0, 347.0] and ax.get_xscale() == "log"
+    with pytest.raises(ValueError, match="no points"):
+        plot_goodput_vs_duration([])
 
 
 def test_the_best_placement_grid_shows_the_winner_and_the_ratio():

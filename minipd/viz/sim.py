@@ -254,6 +254,38 @@ def plot_goodput_bars(rows: Sequence[Mapping[str, Any]], ax: Any = None, title: 
     return ax
 
 
+def plot_goodput_vs_duration(points: Sequence[Mapping[str, Any]], marks: Mapping[str, float] | None = None,
+                             ax: Any = None, title: str = "") -> Any:
+    """The goodput per GPU a search finds against the length of its runs (``points``: ``placement``,
+    ``duration_s``, ``per_device``), one line per placement (names with ``P`` and ``D`` in the disaggregated
+    colour); ``marks`` (label → seconds) are drawn as dotted vertical lines."""
+    ax = _axes(ax, (7.5, 3.8))
+    if not points:
+        raise ValueError("nothing to draw: no points")
+    names = list(dict.fromkeys(p["placement"] for p in points))
+    styles = ("-", "--", ":", "-.")
+    counts = {"colocated": 0, "disaggregated": 0}
+    for name in names:
+        mine = sorted((p for p in points if p["placement"] == name), key=lambda p: p["duration_s"])
+        kind = "disaggregated" if "P" in name and "D" in name else "colocated"
+        ax.plot([p["duration_s"] for p in mine], [p["per_device"] for p in mine], marker="o", ms=4,
+                ls=styles[counts[kind] % len(styles)], color=KIND_COLORS[kind], label=name, gid=f"curve:{name}")
+        counts[kind] += 1
+    for label, seconds in (marks or {}).items():
+        ax.axvline(seconds, color="0.4", ls=":", lw=1, gid=f"mark:{label}")
+        ax.text(seconds, 1.0, f" {label}", transform=ax.get_xaxis_transform(), rotation=90, va="top",
+                fontsize=8, color="0.3")
+    ax.set(xscale="log", xlabel="seconds of arrivals in each run of the search",
+           ylabel="goodput per GPU (req/s)", ylim=(0, None))
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.legend(frameon=False, fontsize="small", loc="upper right")
+    return ax
+
+
 def plot_best_placement(cells: Sequence[Mapping[str, Any]], axes: Any = None, title: str = "") -> Any:
     """For each TPOT SLO, a grid of prompt lengths × output lengths: the colour is the best disaggregated
     placement's goodput per GPU over the best colocated one's (above 1, orange: disaggregation wins), the text
@@ -508,5 +540,6 @@ def cluster_explorer(links: Mapping[str, Link] | None = None, devices: int = 4,
 
 
 __all__ = ["ARTICLE", "KIND_COLORS", "cluster_explorer", "draw_placements", "plot_attainment",
-           "plot_best_placement", "plot_claims", "plot_goodput_bars", "plot_placements", "plot_real_vs_sim",
-           "plot_replay", "plot_simulator", "plot_step_times", "plot_transfer_share", "simulate_placements"]
+           "plot_best_placement", "plot_claims", "plot_goodput_bars", "plot_goodput_vs_duration", "plot_placements",
+           "plot_real_vs_sim", "plot_replay", "plot_simulator", "plot_step_times", "plot_transfer_share",
+           "simulate_placements"]
