@@ -5,18 +5,25 @@ each live and checks it against the file).
    only 5.6 req/s, decode only 10), and the colocated and 2P+1D goodputs the fit gives beside the paper's.
 1. ``literature``: DistServe's setting, OPT-13B on A100s with its chatbot SLOs (TTFT 250 ms, TPOT 100 ms) and
    lengths fitted to the ShareGPT runs DistServe released: goodput per GPU of every placement of 4 GPUs (tensor
-   parallel 1 or 2), colocated with chunked prefill (decode-first, 2048-token budget), colocated as vLLM
+   parallel 1 or 2) and of the units on fewer GPUs that none of those is copies of (DistServe's own 1P(tp2)+1D
+   on three), colocated with chunked prefill (decode-first, 2048-token budget), colocated as vLLM
    scheduled in 2023, the baseline DistServe measured against (prefill-only: a step is all prefill or all
    decode; vLLM's default budget of 2,560 tokens), and disaggregated; on three rooflines (:func:`engines`: the
    default, the one fitted to Figure 1, and one as fast as the runs DistServe released). ``released``: those runs
    (vLLM on one GPU, DistServe on 1P(tp2)+1D), rate by rate, beside the same placements simulated on the three.
+   ``durations``: the goodput a search finds against the length of its runs, for the main placements on the
+   released-runs roofline: short runs never build the queues of steady state.
 2. ``grid``: Llama-3-8B on H100s (4 GPUs, 400G links), prompt lengths × output lengths × TPOT SLO: the best
    colocated and the best disaggregated placement and their goodput per GPU.
+
+Every goodput search runs each rate for :func:`~minipd.sim.search.steady_duration` of arrivals (20 lifetimes of
+a request that just meets the SLOs; 347 s for the chatbot case); the claims run 118 s a rate, 20 lifetimes of a
+request at the article's colocated TTFT and TPOT (150 ms, 20 ms).
 3. ``claims``: Llama-3-70B on 8 H100s, two tensor-parallel-4 instances colocated against one prefill and one
    decode instance, at several rates: P50/mean TTFT and TPOT, busy share of each instance (while requests
    arrive, and over the whole run).
 
-    python scripts/cluster_studies.py --out assets/sim/cluster_studies.json     # ~6 minutes on 2 cores
+    python scripts/cluster_studies.py --out assets/sim/cluster_studies.json     # ~40 minutes on 2 cores
     python scripts/cluster_studies.py --out assets/sim/cluster_studies.json --parts claims   # redo one part
 """
 
@@ -37,22 +44,33 @@ from minipd.sim.calibrate import DISTSERVE_RELEASED_RUNS, DISTSERVE_SHAREGPT_LEN
 from minipd.sim.cluster import simulate
 from minipd.sim.costs import A100_80GB, H100_SXM, preset
 from minipd.sim.roofline import IB_400G, NVLINK3
-from minipd.sim.search import GpuCluster, WorkloadShape, placements, search_placements
+from minipd.sim.search import (
+    GpuCluster,
+    WorkloadShape,
+    placement_goodput,
+    placements,
+    search_placements,
+    steady_duration,
+)
 
 REL_TOL = 0.05
 
 LITERATURE = dict(model="opt-13b", device="A100 80GB SXM", link=NVLINK3.name, devices=4, tps=[1, 2],
                   prompts=DISTSERVE_SHAREGPT_LENGTHS[0], outputs=DISTSERVE_SHAREGPT_LENGTHS[1],
-                  ttft_slo_ms=250.0, tpot_slo_ms=100.0, num_requests=150,
-                  duration_s=20.0)
+                  ttft_slo_ms=250.0, tpot_slo_ms=100.0, num_requests=150)
+LITERATURE["duration_s"] = steady_duration(LITERATURE["outputs"],
+                                           Slo(LITERATURE["ttft_slo_ms"], LITERATURE["tpot_slo_ms"]))
+#: Run lengths (seconds of arrivals) the ``durations`` part tries; 100 s is the length of DistServe's released runs.
+DURATIONS = [20.0, 50.0, 100.0, 200.0, LITERATURE["duration_s"], 2 * LITERATURE["duration_s"]]
 GRID = dict(model="llama-3-8b", device="H100 SXM", link=IB_400G.name, devices=4, tps=[1],
             prompts=["128:512", "1024:2048", "3072:4096"], outputs=["16:64", "128:256", "512:1024"],
-            ttft_slo_ms=450.0, tpot_slo_ms=[15.0, 40.0], num_requests=100, duration_s=10.0)
+            ttft_slo_ms=450.0, tpot_slo_ms=[15.0, 40.0], num_requests=100)  # each cell its steady_duration
 CLAIMS = dict(model="llama-3-70b", device="H100 SXM", link=IB_400G.name, tp=4, prompts="512:2048",
-              outputs="64:512", num_requests=200, duration_s=30.0, rates=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+              outputs="64:512", num_requests=200, rates=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0])
+CLAIMS["duration_s"] = round(steady_duration(CLAIMS["outputs"], Slo(150.0, 20.0)))
 
 
-PARTS = ("figure1", "literature", "grid", "claims")
+PARTS = ("figure1", "literature", "durations", "grid", "claims")
 
 
 def row(result) -> dict:
@@ -83,23 +101,46 @@ def engines(fit: dict) -> dict[str, dict[str, float]]:
             "released": {"memory_efficiency": fit["memory_efficiency"]}}
 
 
-def literature(fit: dict) -> dict:
+def literature_engine(fit: dict, engine: str) -> dict:
+    """Every placement searched on one roofline of :func:`engines`, chunked and as vLLM in 2023."""
     p = LITERATURE
     shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=p["duration_s"])
     slo = Slo(p["ttft_slo_ms"], p["tpot_slo_ms"])
+    baseline = vllm_2023(**engines(fit)[engine])
+    chunked = dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
+    found = {}
+    for label, cluster, both in (("chunked", chunked, True), ("prefill_only", baseline, False)):
+        specs = placements(cluster, p["devices"], tps=p["tps"], disaggregated=both, units_below=True)
+        found[label] = [row(r) for r in search_placements(specs, shape, slo, rel_tol=REL_TOL, verify=2)]
+    return found
+
+
+def literature(found: dict[str, dict], fit: dict) -> dict:
+    """The engines' searches together: the default roofline's at the top, the others under ``<engine>_engine``."""
     out: dict = {}
     for engine, knobs in engines(fit).items():
-        baseline = vllm_2023(**knobs)
-        chunked = dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
-        found = {}
-        for label, cluster, both in (("chunked", chunked, True), ("prefill_only", baseline, False)):
-            specs = placements(cluster, p["devices"], tps=p["tps"], disaggregated=both)
-            found[label] = [row(r) for r in search_placements(specs, shape, slo, rel_tol=REL_TOL, verify=2)]
         if engine == "default":
-            out.update(found)
+            out.update(found[engine])
         else:
-            out[f"{engine}_engine"] = {**found, "efficiencies": knobs}
+            out[f"{engine}_engine"] = {**found[engine], "efficiencies": knobs}
     return out
+
+
+def duration_point(fit: dict, name: str, duration_s: float) -> dict:
+    """One placement's goodput on the released-runs roofline, found with runs ``duration_s`` long."""
+    p = LITERATURE
+    baseline = vllm_2023(**engines(fit)["released"])
+    chunked = dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
+    spec = {"1C": chunked.colocated(1, 1), "1C vLLM-2023": baseline.colocated(1, 1),
+            "1C(tp2)": chunked.colocated(1, 2), "1P(tp2)+1D": chunked.disaggregated(1, 2, 1, 1),
+            "1P(tp2)+1D(tp2)": chunked.disaggregated(1, 2, 1, 2)}[name]
+    shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=duration_s)
+    goodput, tried = placement_goodput(spec, shape, Slo(p["ttft_slo_ms"], p["tpot_slo_ms"]), rel_tol=REL_TOL)
+    return {"placement": name, "duration_s": duration_s, "goodput": goodput, "per_device": goodput / spec.devices,
+            "tried": tried}
+
+
+DURATION_PLACEMENTS = ("1C(tp2)", "1P(tp2)+1D(tp2)", "1C", "1C vLLM-2023", "1P(tp2)+1D")
 
 
 def released(fit: dict) -> dict:
@@ -127,11 +168,13 @@ def released(fit: dict) -> dict:
 
 def grid_cell(prompts: str, outputs: str, tpot_slo_ms: float) -> dict:
     p = GRID
-    shape = WorkloadShape(prompts, outputs, p["num_requests"], duration_s=p["duration_s"])
+    slo = Slo(p["ttft_slo_ms"], tpot_slo_ms)
+    duration_s = steady_duration(outputs, slo)
+    shape = WorkloadShape(prompts, outputs, p["num_requests"], duration_s=duration_s)
     cluster = GpuCluster(preset(p["model"]), H100_SXM, IB_400G)
-    ranked = search_placements(placements(cluster, p["devices"], tps=p["tps"]), shape,
-                               Slo(p["ttft_slo_ms"], tpot_slo_ms), rel_tol=REL_TOL)
-    return {"prompts": prompts, "outputs": outputs, "tpot_slo_ms": tpot_slo_ms, "placements": [row(r) for r in ranked]}
+    ranked = search_placements(placements(cluster, p["devices"], tps=p["tps"]), shape, slo, rel_tol=REL_TOL)
+    return {"prompts": prompts, "outputs": outputs, "tpot_slo_ms": tpot_slo_ms, "duration_s": duration_s,
+            "placements": [row(r) for r in ranked]}
 
 
 def claims_point(rate: float) -> dict:
@@ -168,12 +211,23 @@ def main(argv: list[str] | None = None) -> int:
         report["figure1"] = figure1()
         print(f"figure 1 fitted ({time.perf_counter() - start:.0f} s)", flush=True)
     with ProcessPoolExecutor(args.workers) as pool:
-        lit = pool.submit(literature, report["figure1"]) if "literature" in args.parts else None
+        # The slowest pieces first, so that the pool ends together.
+        fit = report["figure1"]
+        lit = ({engine: pool.submit(literature_engine, fit, engine) for engine in engines(fit)}
+               if "literature" in args.parts else {})
         runs = pool.submit(released, report["figure1"]) if "literature" in args.parts else None
-        claims = [pool.submit(claims_point, r) for r in CLAIMS["rates"]] if "claims" in args.parts else []
         grid = [pool.submit(grid_cell, *cell) for cell in cells] if "grid" in args.parts else []
-        if lit is not None and runs is not None:
-            report["literature"] = {**LITERATURE, **lit.result(), "released": runs.result()}
+        durations = ([pool.submit(duration_point, report["figure1"], name, d) for name in DURATION_PLACEMENTS
+                      for d in DURATIONS] if "durations" in args.parts else [])
+        claims = [pool.submit(claims_point, r) for r in CLAIMS["rates"]] if "claims" in args.parts else []
+        if lit and runs is not None:
+            found = {engine: future.result() for engine, future in lit.items()}
+            report["literature"] = {**LITERATURE, **literature(found, report["figure1"]), "released": runs.result()}
+            print(f"literature ({time.perf_counter() - start:.0f} s)", flush=True)
+        if durations:
+            report["durations"] = {"roofline": "released", "durations_s": DURATIONS,
+                                   "points": [d.result() for d in durations]}
+            print(f"durations ({time.perf_counter() - start:.0f} s)", flush=True)
         if claims:
             report["claims"] = {**CLAIMS, "points": [c.result() for c in claims]}
         if grid:
