@@ -92,6 +92,36 @@ def test_every_request_finishes_or_is_counted_dropped_and_every_block_comes_back
         assert summary["completed"] + summary["failed"] == len(workload)
 
 
+def test_the_routers_count_of_free_blocks_is_never_stale(monkeypatch):
+    """SimInstance.free_blocks is summed once per change of its queue or pool: under an overload with
+    preemptions, pulled and pushed K/V, every value the router reads equals a fresh count."""
+    from minipd.sim.instance import SimInstance
+
+    cached = SimInstance.free_blocks.fget
+    reads: list[int] = []
+
+    def checked(instance: SimInstance) -> int:
+        value = cached(instance)
+        blocks = instance.core.block_manager
+        promised = sum(-(-r.num_tokens // blocks.block_size) for r in instance.core.scheduler.waiting
+                       if not r.blocks.block_table)
+        assert value == blocks.num_free_blocks - promised
+        reads.append(value)
+        return value
+
+    monkeypatch.setattr(SimInstance, "free_blocks", property(checked))
+    config = InstanceConfig(num_kv_blocks=60, block_size=16, max_num_batched_tokens=128, max_num_seqs=32)
+    disaggregated = ClusterSpec.disaggregated_cluster(InstanceSpec("prefill", Linear(), config, 2),
+                                                      InstanceSpec("decode", Linear(), config, 2), 1000.0,
+                                                      Link("test", 1e9, 1e-5))
+    workload = synthetic_workload(300, 200, "16:200", "4:100", seed=5)
+    for spec in (disaggregated, dataclasses.replace(disaggregated, push=True).with_control_latency(1e-3, 1e-3)):
+        before = len(reads)
+        result = simulate(spec, workload)
+        assert sum(s.preemptions for s in result.instances.values()) > 0  # the pools really ran out
+        assert len(reads) - before > 300  # read for every request placed, and more while prompts were held
+
+
 def test_a_disaggregated_request_pays_its_transfer_once_between_its_first_and_second_token():
     """One request alone: TTFT is its prefill step; the second token comes after the transfer (latency +
     bytes / bandwidth) and one decode step; layer-wise sending hides what fits in the prefill step."""

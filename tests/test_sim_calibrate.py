@@ -46,7 +46,7 @@ def test_distserve_figure_1_fitted_on_its_single_phase_figures_reproduces_its_co
     default efficiencies every figure is at least twice the paper's."""
     vllm_2023 = GpuCluster(preset("opt-13b"), A100_80GB, NVLINK3, colocated_policy="prefill-only",
                            colocated_batched_tokens=2560)
-    fit = calibrate(vllm_2023, rounds=1)  # the stored study's fit: a second round changes nothing here
+    fit = calibrate(vllm_2023, rounds=1)  # matches the stored two-round fit: the second changes nothing here
     figures = DISTSERVE_FIGURE_1
     assert fit.prefill_only == pytest.approx(figures.prefill_only, rel=0.05)
     assert fit.decode_only == pytest.approx(figures.decode_only, rel=0.05)

@@ -175,7 +175,15 @@ def test_the_command_lines_goodput_runs_last_a_steady_duration_unless_told(tmp_p
               "--output-lens", "32:96", "--ttft-slo-ms", "300", "--tpot-slo-ms", "20"]
     out = tmp_path / "goodput.json"
     assert simulate_main([*common, "--json", str(out)]) == 0
-    assert f"each run: {steady_duration('32:96', Slo(300, 20)):.0f} s of arrivals" in capsys.readouterr().err
+    steady = steady_duration("32:96", Slo(300, 20))
+    assert f"each run: {steady:.0f} s of arrivals" in capsys.readouterr().err
+    import json
+
+    assert json.loads(out.read_text())["duration_s"] == pytest.approx(steady)
+    # Without a TPOT target a request's lifetime is unknown: 30 s.
+    no_tpot = [arg for arg in common if arg not in ("--tpot-slo-ms", "20")]
+    assert simulate_main(no_tpot) == 0
+    assert "each run: 30 s of arrivals" in capsys.readouterr().err
     assert simulate_main([*common, "--duration", "5"]) == 0
     assert "each run: 5 s of arrivals" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--duration must be"):

@@ -140,6 +140,7 @@ def test_goodput_against_run_length_draws_a_line_per_placement_in_order_of_lengt
     assert list(co.get_xdata()) == [20.0, 300.0] and list(co.get_ydata()) == [5.4, 3.7]
     assert co.get_color() == KIND_COLORS["colocated"] and dis.get_color() == KIND_COLORS["disaggregated"]
     assert list(by_gid(ax, "mark:steady").get_xdata()) == [347.0, 347.0] and ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["20", "300"]
     with pytest.raises(ValueError, match="no points"):
         plot_goodput_vs_duration([])
 

@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if needs_slo:
         print(f"each run: {duration:.0f} s of arrivals", file=sys.stderr)
     report.update({"model": args.model, "gpu": device.name, "link": link.name, "layerwise": args.layerwise,
-                   "slo": vars(slo), "compute_efficiency": cluster.compute_efficiency,
+                   "slo": vars(slo), "duration_s": duration, "compute_efficiency": cluster.compute_efficiency,
                    "memory_efficiency": cluster.memory_efficiency, "step_overhead_s": cluster.step_overhead_s,
                    "dispatch_latency_s": cluster.dispatch_latency_s, "output_latency_s": cluster.output_latency_s})
     if args.search is not None:

@@ -16,7 +16,7 @@ Finite runs start empty, so a short run at a high rate never builds the queues i
 state: :class:`WorkloadShape` makes every run last ``duration_s`` seconds of arrivals (at least
 ``num_requests`` requests), whatever the rate, and :func:`steady_duration` says how long that must be. A run
 only a few request lifetimes long passes rates the cluster cannot sustain (the queue has not grown yet): with
-DistServe's chatbot lengths on A100s, 20 s runs found goodputs up to twice those of runs ten times longer.
+DistServe's chatbot lengths on A100s, 20 s runs found goodputs up to 2.7x those of steady runs.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def steady_duration(output_lens: str | int, slo: Slo, lifetimes: float = 20.0, f
 
     Why lifetimes: a cluster fills its batches and K/V pools over about one request lifetime, and a rate a few
     percent above what it sustains needs many lifetimes to grow a queue that breaks the TTFT target. On DistServe's
-    chatbot workload (OPT-13B, A100s) goodputs found with 20 lifetimes (350 s) agree with 600 s and 1,200 s runs
-    within the search's 5% step; 20 s runs (about one lifetime) overstated them by up to 2x."""
+    chatbot workload (OPT-13B, A100s) goodputs found with 20 lifetimes (347 s) agree with 694 s runs within 7%
+    (chapter 05b, section 4b); 20 s runs (about one lifetime) overstated them by up to 2.7x."""
     if slo.tpot_ms is None:
         raise ValueError("steady_duration needs slo.tpot_ms: a request's lifetime is counted in TPOT targets")
     if not (lifetimes > 0 and floor_s >= 0):

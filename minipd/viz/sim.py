@@ -259,9 +259,9 @@ def plot_goodput_vs_duration(points: Sequence[Mapping[str, Any]], marks: Mapping
     """The goodput per GPU a search finds against the length of its runs (``points``: ``placement``,
     ``duration_s``, ``per_device``), one line per placement (names with ``P`` and ``D`` in the disaggregated
     colour); ``marks`` (label → seconds) are drawn as dotted vertical lines."""
-    ax = _axes(ax, (7.5, 3.8))
     if not points:
         raise ValueError("nothing to draw: no points")
+    ax = _axes(ax, (7.5, 3.8))
     names = list(dict.fromkeys(p["placement"] for p in points))
     styles = ("-", "--", ":", "-.")
     counts = {"colocated": 0, "disaggregated": 0}
@@ -273,16 +273,17 @@ def plot_goodput_vs_duration(points: Sequence[Mapping[str, Any]], marks: Mapping
         counts[kind] += 1
     for label, seconds in (marks or {}).items():
         ax.axvline(seconds, color="0.4", ls=":", lw=1, gid=f"mark:{label}")
-        ax.text(seconds, 1.0, f" {label}", transform=ax.get_xaxis_transform(), rotation=90, va="top",
-                fontsize=8, color="0.3")
+        ax.text(seconds, 0.98, f" {label}", transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="0.3")
     ax.set(xscale="log", xlabel="seconds of arrivals in each run of the search",
            ylabel="goodput per GPU (req/s)", ylim=(0, None))
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import NullFormatter
 
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    lengths = sorted({p["duration_s"] for p in points})
+    ax.set_xticks(lengths, [f"{v:.0f}" for v in lengths])  # the lengths tried, not decades
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_title(title, loc="left", fontsize=10)
-    ax.legend(frameon=False, fontsize="small", loc="upper right")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room for the marks' labels above the lines
+    ax.legend(frameon=False, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return ax
 
 
