@@ -103,13 +103,19 @@ def engines(fit: dict) -> dict[str, dict[str, float]]:
             "released": {"memory_efficiency": fit["memory_efficiency"]}}
 
 
+def literature_clusters(fit: dict, engine: str) -> tuple[GpuCluster, GpuCluster]:
+    """OPT-13B on A100s on one roofline of :func:`engines`: colocated instances as vLLM scheduled them in 2023,
+    and with chunked prefill (decode-first, 2,048 tokens a step)."""
+    baseline = vllm_2023(**engines(fit)[engine])
+    return baseline, dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
+
+
 def literature_engine(fit: dict, engine: str) -> dict:
     """Every placement searched on one roofline of :func:`engines`, chunked and as vLLM in 2023."""
     p = LITERATURE
     shape = WorkloadShape(p["prompts"], p["outputs"], p["num_requests"], duration_s=p["duration_s"])
     slo = Slo(p["ttft_slo_ms"], p["tpot_slo_ms"])
-    baseline = vllm_2023(**engines(fit)[engine])
-    chunked = dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
+    baseline, chunked = literature_clusters(fit, engine)
     found = {}
     for label, cluster, both in (("chunked", chunked, True), ("prefill_only", baseline, False)):
         specs = placements(cluster, p["devices"], tps=p["tps"], disaggregated=both, units_below=True)
@@ -131,8 +137,7 @@ def literature(found: dict[str, dict], fit: dict) -> dict:
 def duration_point(fit: dict, name: str, duration_s: float) -> dict:
     """One placement's goodput on the released-runs roofline, found with runs ``duration_s`` long."""
     p = LITERATURE
-    baseline = vllm_2023(**engines(fit)["released"])
-    chunked = dataclasses.replace(baseline, colocated_policy="decode-first", colocated_batched_tokens=2048)
+    baseline, chunked = literature_clusters(fit, "released")
     spec = {"1C": chunked.colocated(1, 1), "1C vLLM-2023": baseline.colocated(1, 1),
             "1C(tp2)": chunked.colocated(1, 2), "1P(tp2)+1D": chunked.disaggregated(1, 2, 1, 1),
             "1P(tp2)+1D(tp2)": chunked.disaggregated(1, 2, 1, 2)}[name]

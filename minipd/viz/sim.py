@@ -33,6 +33,19 @@ def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
     return ax
 
 
+def _styles_by_name(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Placement name → (colour, line style): names with ``P`` and ``D`` in the disaggregated colour, the
+    others colocated; the placements of one kind told apart by line style, in the order given."""
+    line_styles = ("-", "--", ":", "-.")
+    counts = {"colocated": 0, "disaggregated": 0}
+    styles = {}
+    for name in names:
+        kind = "disaggregated" if "P" in name and "D" in name else "colocated"
+        styles[name] = (KIND_COLORS[kind], line_styles[counts[kind] % len(line_styles)])
+        counts[kind] += 1
+    return styles
+
+
 # --- the simulator, as a diagram ------------------------------------------------------------------
 
 
@@ -210,14 +223,12 @@ def plot_attainment(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]
     ax = _axes(ax, (7.5, 3.8))
     if not curves:
         raise ValueError("nothing to draw: no curves")
-    styles = ("-", "--", ":", "-.")
-    counts = {"colocated": 0, "disaggregated": 0}
+    styles = _styles_by_name(list(curves))
     for name, (rates, shares) in curves.items():
-        kind = "disaggregated" if "P" in name and "D" in name else "colocated"
         scale = per_device[name] if per_device else 1
-        ax.plot([r / scale for r in rates], [100 * s for s in shares], marker="o", ms=4,
-                ls=styles[counts[kind] % len(styles)], color=KIND_COLORS[kind], label=name, gid=f"curve:{name}")
-        counts[kind] += 1
+        color, line = styles[name]
+        ax.plot([r / scale for r in rates], [100 * s for s in shares], marker="o", ms=4, ls=line, color=color,
+                label=name, gid=f"curve:{name}")
     ax.axhline(100 * target, color="0.4", ls="--", lw=1, gid="target")
     ax.text(ax.get_xlim()[0], 100 * target, f" {target:.0%} target", va="bottom", fontsize=8, color="0.3")
     ax.set(xlabel="requests/s per GPU" if per_device else "offered rate (requests/s)",
@@ -262,15 +273,11 @@ def plot_goodput_vs_duration(points: Sequence[Mapping[str, Any]], marks: Mapping
     if not points:
         raise ValueError("nothing to draw: no points")
     ax = _axes(ax, (7.5, 3.8))
-    names = list(dict.fromkeys(p["placement"] for p in points))
-    styles = ("-", "--", ":", "-.")
-    counts = {"colocated": 0, "disaggregated": 0}
-    for name in names:
+    styles = _styles_by_name(list(dict.fromkeys(p["placement"] for p in points)))
+    for name, (color, line) in styles.items():
         mine = sorted((p for p in points if p["placement"] == name), key=lambda p: p["duration_s"])
-        kind = "disaggregated" if "P" in name and "D" in name else "colocated"
-        ax.plot([p["duration_s"] for p in mine], [p["per_device"] for p in mine], marker="o", ms=4,
-                ls=styles[counts[kind] % len(styles)], color=KIND_COLORS[kind], label=name, gid=f"curve:{name}")
-        counts[kind] += 1
+        ax.plot([p["duration_s"] for p in mine], [p["per_device"] for p in mine], marker="o", ms=4, ls=line,
+                color=color, label=name, gid=f"curve:{name}")
     for label, seconds in (marks or {}).items():
         ax.axvline(seconds, color="0.4", ls=":", lw=1, gid=f"mark:{label}")
         ax.text(seconds, 0.98, f" {label}", transform=ax.get_xaxis_transform(), va="top", fontsize=8, color="0.3")
