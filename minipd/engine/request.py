@@ -109,17 +109,20 @@ class Request:
 
     def is_decode(self, num_new: int) -> bool:
         """Whether computing ``num_new`` tokens now is a decode step: the one token sampled last."""
-        return num_new == 1 and self.num_computed_tokens + 1 == self.num_tokens and self.num_output_tokens > 0
+        if num_new != 1:
+            return False
+        num_tokens = len(self.all_token_ids)  # (asked for every row of every step: no property calls)
+        return self.num_computed_tokens + 1 == num_tokens and num_tokens > self.num_prompt_tokens
 
     def samples_after(self, num_new: int) -> bool:
         """Whether computing ``num_new`` more tokens now reaches the end of the sequence, so that a next
         token is sampled (not so for a prefill chunk short of the prompt's end). Asked before the step."""
-        return self.num_computed_tokens + num_new == self.num_tokens
+        return self.num_computed_tokens + num_new == len(self.all_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V still have to be computed before the next token can be sampled."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.all_token_ids) - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         """Record a new token and set ``finish_reason`` when it ends the request (stop token or length)."""
@@ -129,7 +132,8 @@ class Request:
             self.finish(FinishReason.STOP, token_id)
         elif params.stop_token_ids and token_id in params.stop_token_ids:
             self.finish(FinishReason.STOP, token_id)
-        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+        elif (num_tokens := len(self.all_token_ids)) - self.num_prompt_tokens >= params.max_tokens \
+                or num_tokens >= self.max_model_len:
             self.finish(FinishReason.LENGTH)
 
     def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:

@@ -166,17 +166,20 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, prefills_only: bool = False) -> int:
         scheduled = {id(r) for r, _ in batch.entries}
+        allocate, running = self.block_manager.allocate, RequestStatus.RUNNING
+        # (This loop runs once per running request per step, the simulator's hottest: no property calls.)
         for request in list(self.running):
             if budget == 0:
                 break
-            if id(request) in scheduled or request.status is not RequestStatus.RUNNING:
+            if request.status is not running or id(request) in scheduled:
                 continue
-            if prefills_only and request.is_decode(request.num_uncomputed_tokens):
+            uncomputed = len(request.all_token_ids) - request.num_computed_tokens
+            if prefills_only and request.is_decode(uncomputed):
                 continue
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = uncomputed if uncomputed < budget else budget
             if num_new == 0:
                 continue
-            while not self.block_manager.allocate(request.blocks, request.num_computed_tokens + num_new):
+            while not allocate(request.blocks, request.num_computed_tokens + num_new):
                 if self.make_room is not None and self.make_room():
                     continue  # room made without losing work (adaptive KV precision compressed a request)
                 victim, returned_budget = self._preempt_newest(batch)
@@ -286,18 +289,20 @@ class Scheduler:
         commit the step, append the tokens, and take finished requests out of the queues."""
         decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the commit advances them
         self.commit(batch)
-        update = StepUpdate()
+        context = decode_rows = 0
+        chunk_sizes: list[int] = []
+        chunk_contexts: list[int] = []
         for (request, n), is_decode in zip(batch.entries, decodes, strict=True):
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
-            update.num_context_tokens += request.num_computed_tokens
+            context += request.num_computed_tokens
             if is_decode:
-                update.num_decode_tokens += 1
+                decode_rows += 1
             else:
-                update.num_prefill_tokens += n
-                update.prefill_chunk_sizes += (n,)
-                update.prefill_chunk_contexts += (request.num_computed_tokens,)
+                chunk_sizes.append(n)
+                chunk_contexts.append(request.num_computed_tokens)
                 request.num_prefill_tokens += n
+        update = StepUpdate(sum(chunk_sizes), decode_rows, context, tuple(chunk_sizes), tuple(chunk_contexts))
         for request, token in zip(sampled, tokens, strict=True):
             request.append_token(token)
             if request.finish_reason is not None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
 from minipd.engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason, Request, RequestStatus
-from minipd.engine.scheduler import ScheduledBatch, Scheduler
+from minipd.engine.scheduler import ScheduledBatch, Scheduler, StepUpdate
 from minipd.engine.stats import StepStats
 from minipd.errors import ParameterError
 
@@ -80,7 +80,8 @@ class StepCore:
         executor: computes a batch's next tokens.
         max_model_len: the longest sequence a request may grow to.
         clock: seconds, monotonic (``time.perf_counter`` by default; a simulator passes its own).
-        stats_history: how many recent :class:`StepStats` records are kept.
+        stats_history: how many recent :class:`StepStats` records are kept (0, with no
+            :attr:`step_callbacks`: none is built, as in the simulator, which steps millions of times).
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor, max_model_len: int, *,
@@ -184,18 +185,30 @@ class StepCore:
         for request in update.finished:
             if request.status is RequestStatus.FINISHED:
                 del self.requests[request.request_id]
-        for request, _ in batch.entries:  # kept until the first token, which carries them all
-            scored = result.prompt_logprobs.get(request.request_id)
-            if scored:
-                request.num_prompt_logprobs_done += len(scored)
-                request.pending_prompt_logprobs.extend(scored)
+        if result.prompt_logprobs:
+            for request, _ in batch.entries:  # kept until the first token, which carries them all
+                scored = result.prompt_logprobs.get(request.request_id)
+                if scored:
+                    request.num_prompt_logprobs_done += len(scored)
+                    request.pending_prompt_logprobs.extend(scored)
         outputs: list[EngineCoreOutput] = []
         for request, token, token_logprobs in zip(result.sampled, result.tokens, result.logprobs, strict=True):
-            scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
+            scored = request.pending_prompt_logprobs
+            if scored:
+                request.pending_prompt_logprobs = []
             outputs.append(self._output(request, [token], None if token_logprobs is None else [token_logprobs],
                                         scored or None))
         # The step's tokens exist from here on: nothing below may lose them.
         self._after_tokens(batch)
+        if not self.step_stats.maxlen and not self.step_callbacks:
+            self.num_steps += 1  # (no one would read the record)
+        else:
+            self._record_step(start, now, batch, update)
+        if not self.has_unfinished_requests():
+            self._run_ended()
+        return EngineCoreOutputs(outputs, now, batch.num_tokens)
+
+    def _record_step(self, start: float, now: float, batch: ScheduledBatch, update: StepUpdate) -> None:
         try:
             bm, sched = self.block_manager, self.scheduler
             self._record(StepStats(
@@ -210,9 +223,6 @@ class StepCore:
                 prefix_hit_tokens=bm.stats.hit_tokens, **self._extra_stats()))
         except Exception as err:
             self._keep_failure(err, "recording the step's statistics failed")
-        if not self.has_unfinished_requests():
-            self._run_ended()
-        return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
     def _check_progress(self) -> None:
         """An empty step: fine while blocks are held elsewhere, a bug when nothing could ever run."""

@@ -228,6 +228,17 @@ class BlockManager:
 
         Returns False, changing nothing, when there are not enough free blocks.
         """
+        if not cached_prefix:
+            # The common case (every decode step of every request): counted inline, as it runs per row.
+            needed = -(-(num_tokens - alloc.num_dropped_tokens) // self.block_size) - len(alloc.block_table)
+            if needed <= 0:
+                return True
+            if needed > len(self.free):
+                return False
+            table = alloc.block_table
+            for _ in range(needed):
+                table.append(self._take_free_block())
+            return True
         if not self.can_allocate(alloc, num_tokens, cached_prefix):
             return False
         needed = self.blocks_needed(alloc, num_tokens, cached_prefix)
