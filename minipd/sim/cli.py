@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -54,6 +55,14 @@ CALIBRATIONS = {"distserve-figure1": DISTSERVE_FIGURE_1}
 _PART = re.compile(r"^(\d+)([CPD])(?:\(tp(\d+)\))?$")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def parse_placement(text: str, cluster: GpuCluster) -> ClusterSpec:
     """``"4C"``, ``"2C(tp2)"``, ``"1P+3D"``, ``"2P(tp2)+4D"`` as a cluster of ``cluster``'s instances."""
     parts: dict[str, tuple[int, int]] = {}
@@ -84,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--units-below", action="store_true",
                         help="with --search, also rank the placements on fewer devices that are no copy of one on all "
                              "of them (1P(tp2)+1D on 3 of 4), as DistServe ranks the units it replicates")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="with --search, find every placement's goodput; by default a placement's search stops "
+                             "once it has failed at a rate per device that one of its kind (colocated, "
+                             "disaggregated) passed, and it is shown as a bracket")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --search, placements searched at once, each in a process (default: this machine's "
+                             "usable cores; the result does not depend on it)")
     parser.add_argument("--rate", type=float, default=4.0, help="requests/s (default 4)")
     parser.add_argument("--goodput", action="store_true", help="find the placement's goodput instead of one run")
     parser.add_argument("--num-requests", type=int, default=200,
@@ -141,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     needs_slo = args.goodput or args.search is not None
     if needs_slo and args.ttft_slo_ms is None and args.tpot_slo_ms is None:
         raise ValueError("--goodput and --search need --ttft-slo-ms and/or --tpot-slo-ms")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     report: dict[str, Any] = {}
     if args.calibrate:
         fit = calibrate(cluster, CALIBRATIONS[args.calibrate], progress=True)
@@ -166,17 +184,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "dispatch_latency_s": cluster.dispatch_latency_s, "output_latency_s": cluster.output_latency_s})
     if args.search is not None:
         started = time.perf_counter()
+        workers = usable_cores() if args.workers is None else args.workers
         ranked = search_placements(placements(cluster, args.search, units_below=args.units_below), shape, slo,
-                                   args.attainment, verify=1, progress=True)
-        print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+                                   args.attainment, verify=1, progress=True, workers=workers,
+                                   exhaustive=args.exhaustive)
+        print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s "
+              f"({workers} process{'es' if workers > 1 else ''})", file=sys.stderr)
         print(f"{args.model} on {args.search} x {device.name}, link {link.name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
         for result in ranked:
-            check = "" if result.verified is None else f"   (whole placement at that rate: {result.verified:.0%} met)"
+            note = "" if result.verified is None else f"   (whole placement at that rate: {result.verified:.0%} met)"
+            if result.upper is not None:
+                note = f"   (or more, below {result.upper_per_device:.2f}: not the best of its kind, left there)"
             print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device"
-                  + check)
+                  + note)
         report["placements"] = [{"placement": r.name, "goodput": r.goodput, "per_device": r.per_device,
-                                 "tried": r.tried, "verified": r.verified} for r in ranked]
+                                 "upper": r.upper, "tried": r.tried, "verified": r.verified} for r in ranked]
     else:
         spec = parse_placement(args.placement, cluster)
         if args.goodput:

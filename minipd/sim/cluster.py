@@ -224,9 +224,9 @@ class SimResult:
     requests: list[SimRequest]
     instances: dict[str, InstanceStats]
     duration: float
-    #: Whether the run stopped once its verdict was certain (``simulate(..., until_verdict=...)``): the
-    #: requests it had not finished then count as missed, so :meth:`attainment` is a lower bound, on the
-    #: same side of the target as the whole run's.
+    #: Whether the run stopped once it was certain to miss its target (``simulate(..., until_verdict=...)``):
+    #: the requests it had not finished then count as missed, so :meth:`attainment` is a lower bound, below the
+    #: target as the whole run's is.
     stopped_early: bool = False
 
     def results(self) -> list[RequestResult]:
@@ -264,9 +264,15 @@ class SimResult:
         return sum(bool(r.dropped) for r in self.requests)
 
 
+#: How long after a deadline a request is checked (seconds): a token exactly on time meets its objective.
+_JUST_AFTER = 1e-9
+
+
 class _Verdict:
     """Whether at least ``attainment`` of ``total`` requests meet ``slo``, counted as they are judged: a request
-    is judged when it finishes (or is dropped), or at its first token if that already misses the TTFT target."""
+    is judged when it finishes (or is dropped), or as soon as it is sure to miss an objective: once its first
+    token is later than the TTFT target, or the run's clock passes a deadline the request has not met by then
+    (see :meth:`_Cluster._judge_missed_at`)."""
 
     def __init__(self, slo: Slo, attainment: float, total: int) -> None:
         if not 0 < attainment <= 1:
@@ -285,8 +291,10 @@ class _Verdict:
                 self.missed += 1
 
     @property
-    def certain(self) -> bool:
-        return self.met >= self.needed or self.missed > self.total - self.needed
+    def failed(self) -> bool:
+        """Too many missed for the target to be met whatever the rest do. (A run sure to pass is not stopped:
+        its last requests drain in light steps that cost little, and its attainment is then exact.)"""
+        return self.missed > self.total - self.needed
 
 
 class _Cluster:
@@ -358,6 +366,12 @@ class _Cluster:
             if sim.arrival + delay > env.now:
                 yield env.timeout(sim.arrival + delay - env.now)
             self.live[str(sim.index)] = sim
+            if self.verdict is not None:
+                slo = self.verdict.slo
+                if slo.ttft_ms is not None:
+                    self._judge_missed_at(sim, sim.arrival + slo.ttft_ms / 1e3, lambda s: bool(s.token_times))
+                if slo.e2el_ms is not None:
+                    self._judge_missed_at(sim, sim.arrival + slo.e2el_ms / 1e3, lambda s: s.finished is not None)
             if self.spec.disaggregated:
                 if self.backlog or not self._decode_has_room(sim):
                     self.backlog.append(sim)
@@ -439,22 +453,29 @@ class _Cluster:
         self._end_if_over()
 
     def _end_if_over(self) -> None:
-        """End the run once every request is done, or once its verdict is certain (when one is asked for)."""
-        over = self.pending == 0 or (self.verdict is not None and self.verdict.certain)
+        """End the run once every request is done, or once it is sure to miss its target (when one is given)."""
+        over = self.pending == 0 or (self.verdict is not None and self.verdict.failed)
         if over and not self.all_done.triggered:
             self.all_done.succeed()
 
     # ---------------------------------------------------------------------------- outputs
     def _on_outputs(self, instance: SimInstance, outputs: EngineCoreOutputs) -> None:
         now = self.env.now + self.spec.output_latency_s  # when the client has them
-        for out in outputs.outputs:
-            sim = self.live[out.request_id]
-            if sim.first_scheduled is None and out.first_scheduled_time is not None:
-                sim.first_scheduled = out.first_scheduled_time
-            if not sim.token_times and self.verdict is not None:
-                self._judge_first_token(sim, now)
+        live, verdict, role = self.live, self.verdict, instance.role
+        for out in outputs.outputs:  # (once per token of the run: kept lean)
+            sim = live[out.request_id]
+            if not sim.token_times:
+                if sim.first_scheduled is None:
+                    sim.first_scheduled = out.first_scheduled_time
+                if verdict is not None:
+                    self._judge_first_token(sim, now)
+                    if verdict.slo.tpot_ms is not None and sim.output_len > 1:
+                        # Its last token is due ``output_len - 1`` TPOT targets after this one (fewer tokens, if
+                        # the context cuts it short, would be due sooner: the deadline is never early).
+                        self._judge_missed_at(sim, now + verdict.slo.tpot_ms / 1e3 * (sim.output_len - 1),
+                                              lambda s: s.finished is not None)
             sim.token_times.extend([now] * len(out.new_token_ids))
-            if instance.role == "prefill":
+            if role == "prefill":
                 if sim.output_len == 1:
                     sim.finished = now
                     self._done(sim)
@@ -478,6 +499,22 @@ class _Cluster:
         if limit is not None and (now - sim.arrival) * 1000 > limit:
             verdict.judge(sim, False)
             self._end_if_over()
+
+    def _judge_missed_at(self, sim: SimRequest, deadline: float, done: Callable[[SimRequest], bool]) -> None:
+        """Judge ``sim`` missed unless ``done(sim)`` holds when the client's clock passes ``deadline`` (seconds):
+        a request stuck in a queue is known to miss long before it is served, and an overloaded run's verdict
+        comes sooner. (The client hears of an output ``output_latency_s`` after its step: the check runs that
+        much earlier on the simulation's clock, and just after the deadline, since one met exactly counts.)"""
+        verdict = self.verdict
+        assert verdict is not None
+
+        def check(_: Any) -> None:
+            if sim.index not in verdict.judged and not done(sim):
+                verdict.judge(sim, False)
+                self._end_if_over()
+
+        delay = deadline - self.spec.output_latency_s - self.env.now
+        self.env.timeout(max(0.0, delay) + _JUST_AFTER).callbacks.append(check)
 
     def _after(self, seconds: float, action: Callable[..., None], *args: Any) -> None:
         """``action(*args)`` ``seconds`` from now (at once for 0: a control message that takes no time)."""
@@ -551,11 +588,11 @@ def simulate(spec: ClusterSpec, workload: Sequence[PlannedRequest], *, keep_time
     """Run ``workload`` (requests with arrival times and lengths, :mod:`minipd.serve.workload`) through the
     cluster ``spec`` until every request has finished or been dropped.
 
-    ``until_verdict=(slo, attainment)`` stops the run as soon as it is certain whether at least ``attainment``
-    of the requests meet ``slo`` (what a goodput search asks of each run): the requests not finished then
-    count as missed, so the run's attainment lands on the same side of the target as the whole run's would
+    ``until_verdict=(slo, attainment)`` stops the run as soon as it is certain that fewer than ``attainment``
+    of the requests will meet ``slo`` (what a goodput search asks of each run): the requests not finished then
+    count as missed, so the run's attainment is below the target, as the whole run's would be
     (:attr:`SimResult.stopped_early` says it stopped). An overloaded run is decided after its first few
-    late requests, not after draining its whole queue."""
+    late requests, not after draining its whole queue; a run that meets the target runs to its end."""
     if not workload:
         raise ValueError("the workload holds no requests")
     bar = None

@@ -113,7 +113,7 @@ class SimInstance:
         self.executor = TimedExecutor(model)
         blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=False)
         scheduler = Scheduler(blocks, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy)
-        self.core = StepCore(scheduler, self.executor, config.max_model_len, clock=self._now, stats_history=1)
+        self.core = StepCore(scheduler, self.executor, config.max_model_len, clock=self._now, stats_history=0)
         self.on_outputs, self.on_waiting_for_kv = on_outputs, on_waiting_for_kv
         self.keep_timeline = keep_timeline
         self.shared, self.sharing_slowdown = shared, sharing_slowdown

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from minipd.config import ModelConfig
-from minipd.serve.loadgen import RequestResult, Slo, meets
+from minipd.serve.loadgen import RequestResult, Slo, attainment_share, meets
 from minipd.serve.workload import PlannedRequest, draw_lengths, synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.costs import DeviceSpec, kv_bytes_per_token
@@ -52,27 +53,41 @@ def find_goodput(run_at: Callable[[float], Sequence[RequestResult]], slo: Slo, s
     if start <= 0 or not 0 < attainment <= 1 or rel_tol <= 0:
         raise ValueError(f"need start > 0, 0 < attainment <= 1 and rel_tol > 0; got {start}, {attainment}, {rel_tol}")
     tried: list[tuple[float, float]] = []
+    rates = goodput_rates(start, rel_tol, max_runs)
+    rate = next(rates)
+    while True:
+        try:
+            rate = rates.send(meets(run_at, rate, slo, attainment, tried))
+        except StopIteration as found:
+            return found.value, tried
 
-    def ok(rate: float) -> bool:
-        return meets(run_at, rate, slo, attainment, tried)
 
+def goodput_rates(start: float, rel_tol: float, max_runs: int = 24) -> Generator[float, bool, float]:
+    """:func:`find_goodput`'s rates, one at a time: each ``send`` says whether the last one passed, and the search
+    returns the goodput (``StopIteration.value``). Driven this way, several searches can advance side by side."""
     low, high = 0.0, start
-    if ok(start):
+    runs = 1
+    if (yield start):
         low, high = start, 2 * start
-        while len(tried) < max_runs and ok(high):
+        while runs < max_runs:
+            runs += 1
+            if not (yield high):
+                break
             low, high = high, 2 * high
     else:
         for _ in range(10):
             high, candidate = high / 2, high / 2
-            if ok(candidate):
+            runs += 1
+            if (yield candidate):
                 low, high = candidate, 2 * candidate
                 break
         else:
-            return 0.0, tried
-    while len(tried) < max_runs and (high - low) > rel_tol * high:
+            return 0.0
+    while runs < max_runs and (high - low) > rel_tol * high:
         middle = (low + high) / 2
-        low, high = (middle, high) if ok(middle) else (low, middle)
-    return low, tried
+        runs += 1
+        low, high = (middle, high) if (yield middle) else (low, middle)
+    return low
 
 
 def steady_duration(output_lens: str | int, slo: Slo, lifetimes: float = 20.0, floor_s: float = 30.0) -> float:
@@ -115,8 +130,8 @@ class WorkloadShape:
 
 def placement_goodput(spec: ClusterSpec, workload: WorkloadShape, slo: Slo, start: float = 1.0,
                       attainment: float = 0.9, rel_tol: float = 0.03) -> tuple[float, list[tuple[float, float]]]:
-    """:func:`find_goodput` of one placement, simulated on ``workload`` (each run stopping once its verdict is
-    certain)."""
+    """:func:`find_goodput` of one placement, simulated on ``workload`` (each run stopping once it is sure to
+    fail)."""
     return find_goodput(lambda rate: simulate(spec, workload.at(rate), until_verdict=(slo, attainment)).results(),
                         slo, start=start, attainment=attainment, rel_tol=rel_tol)
 
@@ -127,15 +142,22 @@ class PlacementResult:
 
     spec: ClusterSpec
     goodput: float
-    #: (rate, attainment) of every run of the search (on the placement's unit). Each run stopped once its
-    #: verdict was certain, so an attainment is a lower bound, on the right side of the target.
+    #: (rate, attainment) of every run of the search (on the placement's unit). A run that failed stopped once
+    #: that was certain, so its attainment is a lower bound; one that passed ran to its end.
     tried: list[tuple[float, float]] = field(default_factory=list)
     #: With ``verify``: the attainment of the whole placement simulated at :attr:`goodput` (None if not run).
     verified: float | None = None
+    #: Set when a search that is not exhaustive stopped short, the placement being no match for the best of its
+    #: kind (colocated or disaggregated): its goodput is at least :attr:`goodput` and below this rate.
+    upper: float | None = None
 
     @property
     def per_device(self) -> float:
         return self.goodput / self.spec.devices
+
+    @property
+    def upper_per_device(self) -> float | None:
+        return None if self.upper is None else self.upper / self.spec.devices
 
     @property
     def name(self) -> str:
@@ -245,35 +267,172 @@ def unit_of(spec: ClusterSpec) -> tuple[ClusterSpec, int]:
 
 
 def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo: Slo, attainment: float = 0.9,
-                      rel_tol: float = 0.05, verify: int = 0, progress: bool = False) -> list[PlacementResult]:
+                      rel_tol: float = 0.05, verify: int = 0, progress: bool = False, workers: int = 1,
+                      exhaustive: bool = True) -> list[PlacementResult]:
     """The goodput of each placement on ``workload`` (its unit's, times the copies), best per device first.
 
+    Each unit's search starts at the power of two nearest its device count (doubling or halving from there,
+    then bisecting), so what it finds depends on nothing but the unit: not on the order of ``specs``, on which
+    placements were searched before, or on ``workers``.
+
+    ``exhaustive=False``: branch and bound. The searches advance side by side, one run each per round, and a
+    unit stops once the lowest rate it failed at, per device, is no more than the best rate per device that a unit
+    of its kind (colocated or disaggregated) has passed: it cannot be the best of its kind. The best colocated and
+    the best disaggregated placements get exactly the goodput an exhaustive search finds; the others a bracket
+    (:attr:`PlacementResult.upper`). Rounds wait for all their runs, so the result does not depend on ``workers``.
+
     ``verify``: simulate that many of the best placements whole as well, at the goodput found, and keep the
-    share of requests that met the SLOs there in :attr:`PlacementResult.verified`."""
-    units: dict[str, tuple[float, list[tuple[float, float]]]] = {}
-    results = []
-    iterator = specs
+    share of requests that met the SLOs there in :attr:`PlacementResult.verified`.
+    ``workers``: search that many units at once, each in a process of its own (spawned: the simulator is pure
+    Python, so threads would share one core); the placements must then be picklable (a step-time model defined
+    in a notebook cell is not)."""
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    units: dict[str, ClusterSpec] = {}
+    for spec in specs:
+        unit, _ = unit_of(spec)
+        units.setdefault(unit.describe(), unit)
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(specs, desc="placements", unit="placement", leave=False)
-    per_device = 1.0
-    for spec in iterator:
-        unit, copies = unit_of(spec)
-        key = unit.describe()
-        if key not in units:
-            # Each search starts near the last goodput per device found: fewer doublings.
-            units[key] = placement_goodput(unit, workload, slo, start=per_device * unit.devices,
-                                           attainment=attainment, rel_tol=rel_tol)
-            if units[key][0] > 0:
-                per_device = units[key][0] / unit.devices
-        rate, tried = units[key]
-        results.append(PlacementResult(spec, rate * copies, tried))
-    ranked = sorted(results, key=lambda r: -r.per_device)
-    for result in ranked[:verify]:
-        if result.goodput > 0:
-            result.verified = simulate(result.spec, workload.at(result.goodput)).attainment(slo)
+        bar = tqdm(total=len(units), desc="placements", unit="placement", leave=False)
+    with _Processes(min(workers, len(units))) as processes:
+        try:
+            if exhaustive:
+                # Largest units first: with several workers, the longest searches do not start last.
+                tasks = [(key, unit, workload, slo, attainment, rel_tol)
+                         for key, unit in sorted(units.items(), key=lambda item: -item[1].devices)]
+                found = {key: (rate, tried, None) for key, (rate, tried) in processes.map(_search_unit, tasks, bar)}
+            else:
+                found = _branch_and_bound(units, workload, slo, attainment, rel_tol, processes, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        ranked = _ranked(specs, found)
+        checked = [r for r in ranked[:verify] if r.goodput > 0]
+        # A placement that is its own unit was run whole at its goodput by the search, to its end (it passed).
+        shares = {i: dict(r.tried)[r.goodput] for i, r in enumerate(checked) if unit_of(r.spec)[1] == 1}
+        shares.update(processes.map(_verify_placement, [(i, r.spec, workload, r.goodput, slo)
+                                                         for i, r in enumerate(checked) if i not in shares]))
+    for index, result in enumerate(checked):
+        result.verified = shares[index]
     return ranked
+
+
+def _ranked(specs: Sequence[ClusterSpec], found: dict[str, tuple[float, list[tuple[float, float]], float | None]]
+            ) -> list[PlacementResult]:
+    results = []
+    for spec in specs:
+        unit, copies = unit_of(spec)
+        rate, tried, upper = found[unit.describe()]
+        results.append(PlacementResult(spec, rate * copies, tried, upper=None if upper is None else upper * copies))
+    return sorted(results, key=lambda r: -r.per_device)
+
+
+def _branch_and_bound(units: dict[str, ClusterSpec], workload: WorkloadShape, slo: Slo, attainment: float,
+                      rel_tol: float, processes: _Processes, bar: Any
+                      ) -> dict[str, tuple[float, list[tuple[float, float]], float | None]]:
+    """:func:`search_placements` with ``exhaustive=False``: (goodput, runs, upper bound or None) by unit."""
+    searches = {key: goodput_rates(_search_start(unit), rel_tol) for key, unit in units.items()}
+    next_rate = {key: next(search) for key, search in searches.items()}
+    tried: dict[str, list[tuple[float, float]]] = {key: [] for key in units}
+    low = dict.fromkeys(units, 0.0)
+    high = dict.fromkeys(units, math.inf)
+    found: dict[str, tuple[float, list[tuple[float, float]], float | None]] = {}
+    while next_rate:
+        best = {kind: max((low[k] / u.devices for k, u in units.items() if u.disaggregated == kind), default=0.0)
+                for kind in (False, True)}
+        for key in list(next_rate):
+            unit = units[key]
+            if high[key] / unit.devices <= best[unit.disaggregated]:  # it failed where another of its kind passed
+                found[key] = (low[key], tried[key], high[key])
+                del next_rate[key]
+        # Most requests first (a run's cost grows with them): a round's last run is a short one.
+        order = sorted(next_rate, key=lambda k: -next_rate[k])
+        tasks = [(key, units[key], workload, slo, attainment, next_rate[key]) for key in order]
+        for key, share in processes.map(_run_unit, tasks):
+            rate = next_rate[key]
+            tried[key].append((rate, share))
+            passed = share >= attainment
+            if passed:
+                low[key] = max(low[key], rate)
+            else:
+                high[key] = min(high[key], rate)
+            try:
+                next_rate[key] = searches[key].send(passed)
+            except StopIteration as stop:
+                found[key] = (stop.value, tried[key], None)
+                del next_rate[key]
+        if bar is not None:
+            bar.update(len(found) - bar.n)
+    return found
+
+
+def _run_unit(task: tuple) -> tuple[str, float]:
+    key, unit, workload, slo, attainment, rate = task
+    return key, attainment_share(simulate(unit, workload.at(rate), until_verdict=(slo, attainment)).results(), slo)
+
+
+def _search_start(unit: ClusterSpec) -> float:
+    """Where a unit's search starts: 1 request/s per device, rounded to a power of two, so that every search
+    brackets the goodput between the same two powers of two, wherever it would otherwise have started."""
+    return 2.0 ** round(math.log2(unit.devices))
+
+
+def _search_unit(task: tuple) -> tuple[str, tuple[float, list[tuple[float, float]]]]:
+    key, unit, workload, slo, attainment, rel_tol = task
+    return key, placement_goodput(unit, workload, slo, start=_search_start(unit), attainment=attainment,
+                                  rel_tol=rel_tol)
+
+
+def _verify_placement(task: tuple) -> tuple[int, float]:
+    index, spec, workload, rate, slo = task
+    return index, simulate(spec, workload.at(rate)).attainment(slo)
+
+
+class _Processes:
+    """Runs tasks here (``workers=1``) or in up to ``workers`` spawned processes, started at the first tasks that
+    need them and terminated (not waited for) on leaving, even when something failed or was interrupted."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: Any = None
+
+    def __enter__(self) -> _Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+    def map(self, function: Callable[[tuple], tuple], tasks: list[tuple], bar: Any = None) -> list:
+        """``function`` over ``tasks``, results in any order (``bar`` counts them)."""
+        if self.workers <= 1 or len(tasks) <= 1:
+            out = []
+            for task in tasks:
+                out.append(function(task))
+                if bar is not None:
+                    bar.update(1)
+            return out
+        import pickle
+
+        try:
+            pickle.dumps(tasks)
+        except Exception as err:
+            raise ValueError(f"workers={self.workers} sends each placement to another process, and these cannot "
+                             f"be pickled ({err}); use workers=1") from err
+        if self._pool is None:
+            import multiprocessing
+
+            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        out = []
+        for item in self._pool.imap_unordered(function, tasks):
+            out.append(item)
+            if bar is not None:
+                bar.update(1)
+        return out
 
 
 __all__ = ["GpuCluster", "PlacementResult", "WorkloadShape", "find_goodput", "placement_goodput", "placements",
