@@ -189,15 +189,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    args.attainment, verify=1, progress=True, workers=workers,
                                    exhaustive=args.exhaustive)
         print(f"searched {len(ranked)} placements in {time.perf_counter() - started:.1f} s "
-              f"({workers} process{'es' if workers > 1 else ''})", file=sys.stderr)
+              f"(on up to {workers} process{'es' if workers > 1 else ''})", file=sys.stderr)
         print(f"{args.model} on {args.search} x {device.name}, link {link.name}: "
               f"goodput at {args.attainment:.0%} within TTFT {args.ttft_slo_ms} ms / TPOT {args.tpot_slo_ms} ms")
         for result in ranked:
-            note = "" if result.verified is None else f"   (whole placement at that rate: {result.verified:.0%} met)"
-            if result.upper is not None:
-                note = f"   (or more, below {result.upper_per_device:.2f}: not the best of its kind, left there)"
-            print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device"
-                  + note)
+            if result.upper is None:
+                note = "" if result.verified is None else \
+                    f"   (whole placement at that rate: {result.verified:.0%} met)"
+                print(f"  {result.name:<22} {result.goodput:8.2f} req/s   {result.per_device:7.2f} req/s per device"
+                      + note)
+            else:  # (a bracket: failed at the upper end, where another of its kind passed)
+                print(f"  {result.name:<22} {'< ' + format(result.upper, '.2f'):>8} req/s   "
+                      f"{'< ' + format(result.upper_per_device, '.2f'):>7} req/s per device   (at least "
+                      f"{result.per_device:.2f}; below the best of its kind, not searched further)")
         report["placements"] = [{"placement": r.name, "goodput": r.goodput, "per_device": r.per_device,
                                  "upper": r.upper, "tried": r.tried, "verified": r.verified} for r in ranked]
     else:

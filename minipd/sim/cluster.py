@@ -514,7 +514,8 @@ class _Cluster:
                 self._end_if_over()
 
         delay = deadline - self.spec.output_latency_s - self.env.now
-        self.env.timeout(max(0.0, delay) + _JUST_AFTER).callbacks.append(check)
+        # (just after: by more than the clock's rounding, however long the run)
+        self.env.timeout(max(0.0, delay) + max(_JUST_AFTER, 4 * math.ulp(deadline))).callbacks.append(check)
 
     def _after(self, seconds: float, action: Callable[..., None], *args: Any) -> None:
         """``action(*args)`` ``seconds`` from now (at once for 0: a control message that takes no time)."""

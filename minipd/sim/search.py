@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from minipd.config import ModelConfig
+from minipd.engine.stats import StepWork
 from minipd.serve.loadgen import RequestResult, Slo, attainment_share, meets
 from minipd.serve.workload import PlannedRequest, draw_lengths, synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
@@ -271,21 +272,24 @@ def search_placements(specs: Sequence[ClusterSpec], workload: WorkloadShape, slo
                       exhaustive: bool = True) -> list[PlacementResult]:
     """The goodput of each placement on ``workload`` (its unit's, times the copies), best per device first.
 
-    Each unit's search starts at the power of two nearest its device count (doubling or halving from there,
-    then bisecting), so what it finds depends on nothing but the unit: not on the order of ``specs``, on which
-    placements were searched before, or on ``workers``.
+    Each unit's search starts at a power of two near its prefill capacity (:func:`search_start`; doubling or
+    halving from there, then bisecting), so what an exhaustive search finds for a unit depends on nothing but the
+    unit and the workload: not on the order of ``specs``, on which placements were searched before, or on
+    ``workers``.
 
     ``exhaustive=False``: branch and bound. The searches advance side by side, one run each per round, and a
     unit stops once the lowest rate it failed at, per device, is no more than the best rate per device that a unit
     of its kind (colocated or disaggregated) has passed: it cannot be the best of its kind. The best colocated and
-    the best disaggregated placements get exactly the goodput an exhaustive search finds; the others a bracket
-    (:attr:`PlacementResult.upper`). Rounds wait for all their runs, so the result does not depend on ``workers``.
+    the best disaggregated placements get exactly the goodput an exhaustive search finds; the others that too, or a
+    bracket (:attr:`PlacementResult.upper`; ranked by its lower end, so a bracket may sit below a placement it
+    beats). Rounds wait for all their runs, so the result does not depend on ``workers``.
 
     ``verify``: simulate that many of the best placements whole as well, at the goodput found, and keep the
     share of requests that met the SLOs there in :attr:`PlacementResult.verified`.
     ``workers``: search that many units at once, each in a process of its own (spawned: the simulator is pure
-    Python, so threads would share one core); the placements must then be picklable (a step-time model defined
-    in a notebook cell is not)."""
+    Python, so threads would share one core); the placements must then be picklable and their classes importable
+    there (a step-time model defined in a notebook cell is not: use ``workers=1``), and a script that asks for
+    workers must start from ``if __name__ == "__main__":``, as spawned processes import it again."""
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     units: dict[str, ClusterSpec] = {}
@@ -334,7 +338,7 @@ def _branch_and_bound(units: dict[str, ClusterSpec], workload: WorkloadShape, sl
                       rel_tol: float, processes: _Processes, bar: Any
                       ) -> dict[str, tuple[float, list[tuple[float, float]], float | None]]:
     """:func:`search_placements` with ``exhaustive=False``: (goodput, runs, upper bound or None) by unit."""
-    searches = {key: goodput_rates(_search_start(unit), rel_tol) for key, unit in units.items()}
+    searches = {key: goodput_rates(search_start(unit, workload), rel_tol) for key, unit in units.items()}
     next_rate = {key: next(search) for key, search in searches.items()}
     tried: dict[str, list[tuple[float, float]]] = {key: [] for key in units}
     low = dict.fromkeys(units, 0.0)
@@ -374,15 +378,27 @@ def _run_unit(task: tuple) -> tuple[str, float]:
     return key, attainment_share(simulate(unit, workload.at(rate), until_verdict=(slo, attainment)).results(), slo)
 
 
-def _search_start(unit: ClusterSpec) -> float:
-    """Where a unit's search starts: 1 request/s per device, rounded to a power of two, so that every search
-    brackets the goodput between the same two powers of two, wherever it would otherwise have started."""
-    return 2.0 ** round(math.log2(unit.devices))
+def search_start(unit: ClusterSpec, workload: WorkloadShape) -> float:
+    """Where :func:`search_placements` starts a unit's search: a power of two, so that the search brackets the
+    goodput between the same two powers of two wherever it starts (and finds the same goodput, attainment
+    falling as the rate rises); the one at or below the rate at which the unit's prefill steps alone, one mean
+    prompt each, would keep it busy, which its goodput seldom exceeds by much. Starting near the answer saves the
+    runs of doubling up to it: a unit serving hundreds of requests/s would otherwise take seven from 4."""
+    mean_prompt = max(1, round(float(draw_lengths(workload.prompt_lens, 20_000, np.random.default_rng(0),
+                                                  "prompt_lens").mean())))
+    prompt = StepWork.of(((mean_prompt, mean_prompt),), 0, 0)
+    try:
+        rate = sum(s.count / s.model.step_time(prompt) for s in unit.instances if s.role != "decode")
+    except Exception:  # (a model that cannot answer outside a run, or says 0 s: only the start is at stake)
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        rate = float(unit.devices)  # one request/s per device
+    return 2.0 ** math.floor(math.log2(rate))
 
 
 def _search_unit(task: tuple) -> tuple[str, tuple[float, list[tuple[float, float]]]]:
     key, unit, workload, slo, attainment, rel_tol = task
-    return key, placement_goodput(unit, workload, slo, start=_search_start(unit), attainment=attainment,
+    return key, placement_goodput(unit, workload, slo, start=search_start(unit, workload), attainment=attainment,
                                   rel_tol=rel_tol)
 
 
@@ -391,9 +407,18 @@ def _verify_placement(task: tuple) -> tuple[int, float]:
     return index, simulate(spec, workload.at(rate)).attainment(slo)
 
 
+def _ignore_interrupts() -> None:
+    """In a worker: Ctrl-C is the parent's to handle (it stops the workers), not a traceback per worker."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Processes:
     """Runs tasks here (``workers=1``) or in up to ``workers`` spawned processes, started at the first tasks that
-    need them and terminated (not waited for) on leaving, even when something failed or was interrupted."""
+    need them and stopped (not waited for) on leaving, even when something failed or was interrupted. A worker
+    that dies (killed, out of memory, or unable to start: a script without ``if __name__ == "__main__":``)
+    raises ``BrokenProcessPool`` here rather than leaving its task waited for."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -403,9 +428,14 @@ class _Processes:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+        if self._pool is None:
+            return
+        processes = list(getattr(self._pool, "_processes", {}).values())  # (private: no public way to stop them)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=10)
 
     def map(self, function: Callable[[tuple], tuple], tasks: list[tuple], bar: Any = None) -> list:
         """``function`` over ``tasks``, results in any order (``bar`` counts them)."""
@@ -417,23 +447,32 @@ class _Processes:
                     bar.update(1)
             return out
         import pickle
+        import sys
 
         try:
-            pickle.dumps(tasks)
+            sent = pickle.dumps(tasks)
         except Exception as err:
             raise ValueError(f"workers={self.workers} sends each placement to another process, and these cannot "
                              f"be pickled ({err}); use workers=1") from err
+        if b"__main__" in sent and getattr(sys.modules["__main__"], "__file__", None) is None:
+            # (A class from a notebook cell pickles by name, and a spawned process has no such notebook to import.)
+            raise ValueError(f"workers={self.workers} sends each placement to another process, and these use a "
+                             "class defined in this notebook or session, which that process cannot import; define "
+                             "it in a module, or use workers=1")
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
         if self._pool is None:
             import multiprocessing
 
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_ignore_interrupts)
         out = []
-        for item in self._pool.imap_unordered(function, tasks):
-            out.append(item)
+        for future in as_completed([self._pool.submit(function, task) for task in tasks]):
+            out.append(future.result())
             if bar is not None:
                 bar.update(1)
         return out
 
 
 __all__ = ["GpuCluster", "PlacementResult", "WorkloadShape", "find_goodput", "placement_goodput", "placements",
-           "search_placements", "steady_duration", "unit_of"]
+           "search_placements", "search_start", "steady_duration", "unit_of"]
