@@ -302,7 +302,9 @@ class Scheduler:
                 chunk_sizes.append(n)
                 chunk_contexts.append(request.num_computed_tokens)
                 request.num_prefill_tokens += n
-        update = StepUpdate(sum(chunk_sizes), decode_rows, context, tuple(chunk_sizes), tuple(chunk_contexts))
+        update = StepUpdate(num_prefill_tokens=sum(chunk_sizes), num_decode_tokens=decode_rows,
+                            num_context_tokens=context, prefill_chunk_sizes=tuple(chunk_sizes),
+                            prefill_chunk_contexts=tuple(chunk_contexts))
         for request, token in zip(sampled, tokens, strict=True):
             request.append_token(token)
             if request.finish_reason is not None:

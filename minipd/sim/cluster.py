@@ -270,8 +270,8 @@ _JUST_AFTER = 1e-9
 
 class _Verdict:
     """Whether at least ``attainment`` of ``total`` requests meet ``slo``, counted as they are judged: a request
-    is judged when it finishes (or is dropped), or as soon as it is sure to miss an objective: once its first
-    token is later than the TTFT target, or the run's clock passes a deadline the request has not met by then
+    is judged when it finishes (or is dropped), or as soon as it is sure to miss an objective: when the run's
+    clock passes a deadline (first token, last token, end) the request has not met by then
     (see :meth:`_Cluster._judge_missed_at`)."""
 
     def __init__(self, slo: Slo, attainment: float, total: int) -> None:
@@ -467,13 +467,11 @@ class _Cluster:
             if not sim.token_times:
                 if sim.first_scheduled is None:
                     sim.first_scheduled = out.first_scheduled_time
-                if verdict is not None:
-                    self._judge_first_token(sim, now)
-                    if verdict.slo.tpot_ms is not None and sim.output_len > 1:
-                        # Its last token is due ``output_len - 1`` TPOT targets after this one (fewer tokens, if
-                        # the context cuts it short, would be due sooner: the deadline is never early).
-                        self._judge_missed_at(sim, now + verdict.slo.tpot_ms / 1e3 * (sim.output_len - 1),
-                                              lambda s: s.finished is not None)
+                if verdict is not None and verdict.slo.tpot_ms is not None and sim.output_len > 1:
+                    # Its last token is due ``output_len - 1`` TPOT targets after this one (fewer tokens, if the
+                    # context cuts it short, would be due sooner: the deadline is never early).
+                    self._judge_missed_at(sim, now + verdict.slo.tpot_ms / 1e3 * (sim.output_len - 1),
+                                          lambda s: s.finished is not None)
             sim.token_times.extend([now] * len(out.new_token_ids))
             if role == "prefill":
                 if sim.output_len == 1:
@@ -491,14 +489,6 @@ class _Cluster:
                 self._done(sim)
         if self.backlog and instance.role == "decode":
             self._admit_backlog()  # a decode step may have freed blocks
-
-    def _judge_first_token(self, sim: SimRequest, now: float) -> None:
-        """A first token later than the TTFT target is a miss already (a run deciding early learns it sooner)."""
-        verdict = self.verdict
-        limit = verdict.slo.ttft_ms
-        if limit is not None and (now - sim.arrival) * 1000 > limit:
-            verdict.judge(sim, False)
-            self._end_if_over()
 
     def _judge_missed_at(self, sim: SimRequest, deadline: float, done: Callable[[SimRequest], bool]) -> None:
         """Judge ``sim`` missed unless ``done(sim)`` holds when the client's clock passes ``deadline`` (seconds):

@@ -133,8 +133,14 @@ def placement_goodput(spec: ClusterSpec, workload: WorkloadShape, slo: Slo, star
                       attainment: float = 0.9, rel_tol: float = 0.03) -> tuple[float, list[tuple[float, float]]]:
     """:func:`find_goodput` of one placement, simulated on ``workload`` (each run stopping once it is sure to
     fail)."""
-    return find_goodput(lambda rate: simulate(spec, workload.at(rate), until_verdict=(slo, attainment)).results(),
-                        slo, start=start, attainment=attainment, rel_tol=rel_tol)
+    return find_goodput(lambda rate: _search_run(spec, workload, slo, attainment, rate), slo, start=start,
+                        attainment=attainment, rel_tol=rel_tol)
+
+
+def _search_run(spec: ClusterSpec, workload: WorkloadShape, slo: Slo, attainment: float, rate: float
+                ) -> list[RequestResult]:
+    """One run of a goodput search: ``workload`` at ``rate``, stopped once it is sure to miss ``attainment``."""
+    return simulate(spec, workload.at(rate), until_verdict=(slo, attainment)).results()
 
 
 @dataclass
@@ -341,30 +347,29 @@ def _branch_and_bound(units: dict[str, ClusterSpec], workload: WorkloadShape, sl
     searches = {key: goodput_rates(search_start(unit, workload), rel_tol) for key, unit in units.items()}
     next_rate = {key: next(search) for key, search in searches.items()}
     tried: dict[str, list[tuple[float, float]]] = {key: [] for key in units}
-    low = dict.fromkeys(units, 0.0)
-    high = dict.fromkeys(units, math.inf)
     found: dict[str, tuple[float, list[tuple[float, float]], float | None]] = {}
+
+    def passed(key: str) -> float:
+        return max((rate for rate, share in tried[key] if share >= attainment), default=0.0)
+
+    def failed(key: str) -> float:
+        return min((rate for rate, share in tried[key] if share < attainment), default=math.inf)
+
     while next_rate:
-        best = {kind: max((low[k] / u.devices for k, u in units.items() if u.disaggregated == kind), default=0.0)
+        best = {kind: max((passed(k) / u.devices for k, u in units.items() if u.disaggregated == kind), default=0.0)
                 for kind in (False, True)}
         for key in list(next_rate):
             unit = units[key]
-            if high[key] / unit.devices <= best[unit.disaggregated]:  # it failed where another of its kind passed
-                found[key] = (low[key], tried[key], high[key])
+            if failed(key) / unit.devices <= best[unit.disaggregated]:  # it failed where another of its kind passed
+                found[key] = (passed(key), tried[key], failed(key))
                 del next_rate[key]
         # Most requests first (a run's cost grows with them): a round's last run is a short one.
         order = sorted(next_rate, key=lambda k: -next_rate[k])
         tasks = [(key, units[key], workload, slo, attainment, next_rate[key]) for key in order]
         for key, share in processes.map(_run_unit, tasks):
-            rate = next_rate[key]
-            tried[key].append((rate, share))
-            passed = share >= attainment
-            if passed:
-                low[key] = max(low[key], rate)
-            else:
-                high[key] = min(high[key], rate)
+            tried[key].append((next_rate[key], share))
             try:
-                next_rate[key] = searches[key].send(passed)
+                next_rate[key] = searches[key].send(share >= attainment)
             except StopIteration as stop:
                 found[key] = (stop.value, tried[key], None)
                 del next_rate[key]
@@ -375,7 +380,7 @@ def _branch_and_bound(units: dict[str, ClusterSpec], workload: WorkloadShape, sl
 
 def _run_unit(task: tuple) -> tuple[str, float]:
     key, unit, workload, slo, attainment, rate = task
-    return key, attainment_share(simulate(unit, workload.at(rate), until_verdict=(slo, attainment)).results(), slo)
+    return key, attainment_share(_search_run(unit, workload, slo, attainment, rate), slo)
 
 
 def search_start(unit: ClusterSpec, workload: WorkloadShape) -> float:
