@@ -60,7 +60,10 @@ def _build_kernels(_: argparse.Namespace) -> int:
     if module is None:
         print(f"not built: {why}; the engine keeps the torch reference (kernel_backend='torch')")
     else:
-        print("built: kernel_backend='cpu' is now the default on this machine's CPU")
+        from minipd.kernels.isa import ISA_ENV, kernel_isa
+
+        print(f"built, with the {module.compiled_isa()} paths ({ISA_ENV}={kernel_isa()}): kernel_backend='cpu' is "
+              "now the default on this machine's CPU")
     import torch
 
     from minipd.engine.measure import measure_linear_backend

@@ -1,16 +1,13 @@
 """The one-pass C++ elementwise kernels of the ``"cpu"`` backend, each against its torch reference: SwiGLU's
 activation (``silu_mul``: eight lanes, the tail, rows spread over threads, saturated inputs), RMSNorm, the residual
 add + RMSNorm and RoPE (odd widths, strided views as the fused qkv projection gives them, rows over threads);
-their portable (no AVX2) build, their refusals, the Python wrappers' fallbacks (other dtypes, gradients, while
-compiling); and whole models: the engine runs them when it runs the C++ kernels, and the tokens do not change."""
+their refusals, the Python wrappers' fallbacks (other dtypes, gradients, while compiling); and whole models: the
+engine runs them when it runs the C++ kernels, and the tokens do not change. Their AVX2 and portable (no AVX2)
+builds: this file run again against each (``tests/test_cpu_isa.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -149,40 +146,6 @@ def test_the_wrappers_fall_back_to_torch_where_the_kernels_do_not_apply(kernel_c
     a, b = torch.randn(6, 16), torch.randn(6, 16)
     torch.testing.assert_close(compiled(a, b), add_rms_norm(a, b, weight, 1e-5)[0])
     assert kernel_calls == ["rms_norm_f32", "silu_mul"]  # the compiled one did not call a kernel
-
-
-def test_the_portable_path_without_avx2_is_the_reference(tmp_path):
-    # Where the CPU has no AVX2/FMA, the plain C++ loop runs: built here without them (in a child process, whose
-    # op registrations cannot clash with this one's) from the same sources, and compared with torch.
-    need_cpu_kernel()
-    flags = ["-O2"] + (["-mno-avx2", "-mno-fma"] if platform.machine().lower() in ("x86_64", "amd64") else [])
-    script = textwrap.dedent(f"""
-        import torch, torch.nn.functional as F
-        from torch.utils.cpp_extension import load_inline
-        from minipd.kernels.cpu_paged_attention import _SOURCE
-        from minipd.kernels.rms_norm import add_rms_norm, rms_norm
-        from minipd.kernels.rotary import apply_rotary
-        m = load_inline("minipd_elementwise_portable", cpp_sources=[_SOURCE],
-                        functions=["silu_mul", "rms_norm_f32", "add_rms_norm_f32", "rotary_f32"],
-                        extra_cflags={flags!r}, build_directory={str(tmp_path)!r})
-        torch.manual_seed(0)
-        for rows, width in ((1, 13), (50, 704)):
-            x = torch.randn(rows, 2 * width) * 6
-            gate, up = x.chunk(2, dim=-1)
-            torch.testing.assert_close(m.silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
-            residual, weight = torch.randn(rows, 2 * width), torch.randn(2 * width)
-            torch.testing.assert_close(m.rms_norm_f32(x, weight, 1e-5), rms_norm(x, weight, 1e-5),
-                                       rtol=1e-5, atol=1e-5)
-            got, want = m.add_rms_norm_f32(x, residual, weight, 1e-5), add_rms_norm(x, residual, weight, 1e-5)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            q, angles = x[:, :12].view(rows, 3, 4), torch.randn(rows, 1, 4)
-            torch.testing.assert_close(m.rotary_f32(q, angles.cos(), angles.sin()),
-                                       apply_rotary(q, angles.cos(), angles.sin()), rtol=1e-6, atol=1e-6)
-        print("portable ok")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])  # int8 weights: the activations are fp32 all the same

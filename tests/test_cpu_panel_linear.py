@@ -1,14 +1,9 @@
 """minipd's C++ panel linears (``linear_backend="cpu"``): the kernel against ``F.linear`` on every path it takes
 (register blocks of 1-6 rows, row chunks, short last panels, bias, strided input; fp32, bf16 and fp16 weights),
-compiled and eager, its portable (no AVX2) path, the greedy tokens of whole models, and how
-``linear_backend="auto"`` picks it."""
+compiled and eager, the greedy tokens of whole models, and how ``linear_backend="auto"`` picks it. Its AVX2 and
+portable (no AVX2) paths: this file run again against those builds (``tests/test_cpu_isa.py``)."""
 
 from __future__ import annotations
-
-import platform
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -130,35 +125,6 @@ def test_a_compiled_panel_linear_calls_the_kernel_whole(kernels, rows):
         want = F.linear(F.relu(F.linear(x, linear.weight, linear.bias)), model[2].weight)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert "minipd_cpu.panel_linear" in "\n".join(code)  # the op, not a matrix product the compiler wrote
-
-
-def test_the_portable_path_without_avx2_is_f_linear(tmp_path):
-    # Where the CPU has no AVX2/FMA (an ARM laptop), the kernel's plain C++ loop runs: built here without them
-    # (in a child process, whose op registration cannot clash with this one's) and compared with F.linear.
-    need_cpu_kernel()
-    flags = ["-O2"] + (["-mno-avx2", "-mno-fma"] if platform.machine().lower() in ("x86_64", "amd64") else [])
-    script = textwrap.dedent(f"""
-        import torch, torch.nn.functional as F
-        from pathlib import Path
-        from torch.utils.cpp_extension import load_inline
-        import minipd.kernels as k
-        source = (Path(k.__file__).parent / "cpu_panel_linear.cpp").read_text()
-        m = load_inline("minipd_panels_portable", cpp_sources=[source], functions=["pack_panels", "panel_linear"],
-                        extra_cflags={flags!r}, build_directory={str(tmp_path)!r})
-        torch.manual_seed(0)
-        for rows, k_in, n, bias in ((1, 64, 40, True), (7, 33, 5, False), (50, 2000, 17, True)):
-            w, x = torch.randn(n, k_in), torch.randn(rows, k_in)
-            b = torch.randn(n) if bias else None
-            torch.testing.assert_close(m.panel_linear(x, m.pack_panels(w), b, n), F.linear(x, w, b),
-                                       rtol=1e-5, atol=1e-4)
-            for dtype in (torch.bfloat16, torch.float16):  # narrow weights, fp32 inputs
-                narrow = w.to(dtype)
-                torch.testing.assert_close(m.panel_linear(x, m.pack_panels(narrow), b, n),
-                                           F.linear(x, narrow.float(), b), rtol=1e-5, atol=1e-3)
-        print("portable ok")
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "portable ok" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])

@@ -109,11 +109,19 @@ def file_workload(path: str, vocab_size: int, max_model_len: int, seed: int = 0)
 
 
 def machine_label() -> str:
-    """The CPU's model, its fast-kernel features and torch's thread count, for every figure's line."""
+    """The CPU's model, its fast-kernel features and torch's thread count, for every figure's line; under an
+    instruction-set limit (``MINIPD_CPU_ISA``, ``ATEN_CPU_CAPABILITY``...) also the limits, and what torch's
+    kernels run."""
+    from minipd.kernels.isa import isa_limits
     from minipd.kernels.measured import cpu_description
 
     cpu = cpu_description()
-    return f"{cpu['cpu']} ({', '.join(cpu['features']) or 'no AVX2'}), {torch.get_num_threads()} threads"
+    label = f"{cpu['cpu']} ({', '.join(cpu['features']) or 'no AVX2'}), {torch.get_num_threads()} threads"
+    limits = isa_limits()
+    if limits:  # a limited run: say by what, and what torch's own kernels run
+        label += (f"; limited: {', '.join(f'{k}={v}' for k, v in limits.items())} (torch's kernels: "
+                  f"{torch.backends.cpu.get_cpu_capability()})")
+    return label
 
 
 def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from minipd.kernels.isa import isa_limits
 from minipd.kernels.measured import choices_file, cpu_description
 
 logger = logging.getLogger("minipd")
@@ -135,8 +136,10 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
 def program_key(parts: dict[str, Any]) -> str:
     """The key of a program built from ``parts`` (what the caller traced it from) on this machine and install."""
     cpu = cpu_description()
+    # (the compiler's generated code follows torch's instruction set, which ATEN_CPU_CAPABILITY may limit)
     everything = {"format": FORMAT_VERSION, "torch": torch.__version__, "python": sys.version,
                   "machine": platform.machine(), "cpu": cpu["cpu"], "features": cpu["features"],
+                  "torch_isa": torch.backends.cpu.get_cpu_capability(), "isa_limits": isa_limits(),
                   "threads": torch.get_num_threads(), "minipd": source_fingerprint(), **parts}
     text = json.dumps(everything, sort_keys=True, default=lambda v: describe(v))
     return hashlib.sha256(text.encode()).hexdigest()

@@ -145,7 +145,11 @@ def kernel_backends() -> dict[str, str]:
     else:
         backends["triton"] = "installed; runs on CPU only under TRITON_INTERPRET=1"
     from minipd.kernels.cpu_paged_attention import kernel_built
+    from minipd.kernels.isa import ISA_ENV, kernel_isa
 
     backends["cpu"] = ("built (C++ paged decode; the CPU default)" if kernel_built()
                        else "not built yet: `python -m minipd build-kernels` (a C++ compiler and ninja)")
+    isa = kernel_isa()
+    if isa != "native":
+        backends["cpu"] += f"; for {isa} ({ISA_ENV}), not all this CPU has"
     return backends

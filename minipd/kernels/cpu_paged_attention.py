@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from minipd.kernels.isa import cpu_flags, kernel_cflags, kernel_isa
 from minipd.kernels.kv_store import store_kv_torch
 from minipd.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 
@@ -59,8 +60,7 @@ logger = logging.getLogger("minipd")
 
 #: The extension's name; its folder in torch's extension cache adds :func:`build_key`.
 _NAME = "minipd_cpu_paged_attention"
-#: Compiler and linker flags of the build.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+#: Linker flags of the build (the compiler's follow the instruction set it is built for: :mod:`minipd.kernels.isa`).
 _LDFLAGS = ("-fopenmp",)
 #: Set (to anything but "" or "0") where a build must not start: the kernel is used if built, else not.
 NO_BUILD_ENV = "MINIPD_NO_KERNEL_BUILD"
@@ -74,17 +74,10 @@ _SOURCE = "\n" + "\n".join((Path(__file__).parent / name).read_text()
                                          "cpu_norm_rope.cpp"))
 
 
-@functools.cache
 def _cpu_features() -> str:
     """What ``-march=native`` compiles for: the CPU's feature flags (Linux), else the processor's name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    flags = cpu_flags()
+    return " ".join(sorted(flags)) if flags else platform.processor() or platform.machine()
 
 
 def toolchain() -> tuple[str, ...]:
@@ -95,10 +88,12 @@ def toolchain() -> tuple[str, ...]:
             sys.version.split()[0], sysconfig.get_paths().get("include", ""), platform.machine(), _cpu_features())
 
 
-def build_key(source: str = _SOURCE, cflags: Sequence[str] = _CFLAGS, ldflags: Sequence[str] = _LDFLAGS,
+def build_key(source: str = _SOURCE, cflags: Sequence[str] | None = None, ldflags: Sequence[str] = _LDFLAGS,
               tools: Sequence[str] | None = None) -> str:
-    """A short hash of everything the build depends on: the source, the flags and the :func:`toolchain`
-    (``tools``, this process's by default). Equal inputs share one build; different ones never evict each other."""
+    """A short hash of everything the build depends on: the source, the flags (``cflags``: by default those of the
+    instruction set ``MINIPD_CPU_ISA`` asks for) and the :func:`toolchain` (``tools``, this process's by default).
+    Equal inputs share one build; different ones never evict each other."""
+    cflags = kernel_cflags() if cflags is None else cflags
     parts = [source, " ".join(cflags), " ".join(ldflags), *(toolchain() if tools is None else tools)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
@@ -139,7 +134,9 @@ def load_kernel() -> tuple[object | None, str | None]:
     """``(module, None)`` once the kernels are built (or loaded from the cache), else ``(None, why not)``.
 
     With ``MINIPD_NO_KERNEL_BUILD`` set, nothing is compiled: a build for this key is imported as it is,
-    and a missing one is ``(None, why)``, with a warning."""
+    and a missing one is ``(None, why)``, with a warning. ``MINIPD_CPU_ISA`` chooses the instruction set
+    (:mod:`minipd.kernels.isa`); a value it does not allow raises ``ValueError``, here and in :func:`kernel_built`."""
+    kernel_isa()  # (a bad MINIPD_CPU_ISA is the user's to fix, not a reason to fall back quietly)
     try:
         if _no_build():
             library = _built_library()
@@ -154,8 +151,9 @@ def load_kernel() -> tuple[object | None, str | None]:
 
             module = load_inline(extension_name(), cpp_sources=[_SOURCE],
                                  functions=["paged_decode", "paged_prefill", "pack_panels", "panel_linear",
-                                            "silu_mul", "rms_norm_f32", "add_rms_norm_f32", "rotary_f32"],
-                                 extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+                                            "silu_mul", "rms_norm_f32", "add_rms_norm_f32", "rotary_f32",
+                                            "compiled_isa"],
+                                 extra_cflags=list(kernel_cflags()), extra_ldflags=list(_LDFLAGS), verbose=False)
         # Their shape rules, for tracing: decode's output is shaped like the queries; a linear's is (rows, features).
         torch.library.register_fake("minipd_cpu::paged_decode")(lambda q, *args: torch.empty_like(q))
         torch.library.register_fake("minipd_cpu::panel_linear")(

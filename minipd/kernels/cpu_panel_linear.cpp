@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -184,6 +185,18 @@ void widen_panel(const W* panel, int64_t K, float* wide) {
 }
 
 }  // namespace minipd_panels
+
+// The instruction set this build's fast paths were compiled for (MINIPD_CPU_ISA chooses it; the tests check that a
+// limited build really is one).
+std::string compiled_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
 
 using minipd_panels::kBlockRows;
 using minipd_panels::kChunkBytes;

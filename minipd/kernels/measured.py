@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from minipd.kernels.isa import cpu_flags, isa_limits, kernel_isa, usable_features
+
 #: A packed path is chosen over torch's only when it takes less than this share of its time (noise must not flip it).
 MARGIN = 0.95
 #: One thread counts as no slower than all up to this ratio of their step times (timing noise is a few percent).
@@ -33,19 +35,20 @@ FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf
 
 
 def cpu_description() -> dict[str, Any]:
-    """The CPU's model name and the instruction-set features that matter here (Linux's /proc/cpuinfo)."""
-    name, flags = platform.processor() or platform.machine(), set()
+    """The CPU's model name and the instruction-set features that matter here (Linux's /proc/cpuinfo), less
+    those the kernels are not built to use (``MINIPD_CPU_ISA``, :mod:`minipd.kernels.isa`: its value is then
+    under ``"isa"``)."""
+    name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and ":" in line:
                 name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-            if name and flags:
                 break
     except OSError:
         pass
-    return {"cpu": name, "features": [f for f in FEATURES if f in flags]}
+    isa = kernel_isa()
+    usable = usable_features(cpu_flags(), isa)
+    return {"cpu": name, "features": [f for f in FEATURES if f in usable], **({"isa": isa} if isa != "native" else {})}
 
 
 def last_level_cache_bytes() -> int | None:
@@ -65,10 +68,14 @@ def last_level_cache_bytes() -> int | None:
 
 
 def machine_key(threads: int | None = None) -> str:
-    """What a measured choice is valid for: the CPU, its features, torch's version and the thread count."""
+    """What a measured choice is valid for: the CPU, its features, torch's version and the thread count, and the
+    instruction-set limits the process runs under, if any (:func:`~minipd.kernels.isa.isa_limits`: oneDNN or MKL
+    held to AVX2 may well change which linear path wins)."""
     cpu = cpu_description()
     threads = threads or torch.get_num_threads()
-    return f"{cpu['cpu']}|{','.join(cpu['features'])}|torch {torch.__version__}|{threads} threads"
+    key = f"{cpu['cpu']}|{','.join(cpu['features'])}|torch {torch.__version__}|{threads} threads"
+    limits = isa_limits()
+    return key + ("|" + ",".join(f"{k}={v}" for k, v in sorted(limits.items())) if limits else "")
 
 
 def choices_file() -> Path:
