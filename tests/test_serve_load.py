@@ -277,12 +277,13 @@ def test_a_trace_replays_in_arrival_order(tmp_path):
         trace_workload(trace)
 
 
-def stream_until_cut(url: str, max_tokens: int) -> dict:
+def stream_until_cut(url: str, max_tokens: int, logprobs: int | None = None) -> dict:
     """A long stream in a thread; what it got and whether it ended cleanly."""
     result: dict = {"chunks": 0, "done": False, "error": None}
 
     def run() -> None:
-        body = {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        body = {"prompt": "def f(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                **({} if logprobs is None else {"logprobs": logprobs})}
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
                 for line in response.iter_lines():
@@ -315,8 +316,10 @@ def test_sigterm_drains_then_leaves_nothing_behind(mode, grace):
     with ServerProcess(*args) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         short = stream_until_cut(server.url, 40)  # finishes within the grace period
-        # These do not (three at once: each makes its 1000 tokens more slowly than alone, > 4 s here).
-        longs = [stream_until_cut(server.url, 1000) for _ in range(3)]
+        # These do not: 1000 tokens each (about what the model's context holds), six at once, each token with its
+        # top-5 log-probabilities, so that every step carries more rows and more to send. (Three at once without
+        # log-probabilities took > 4 s on a busy day, and on a quiet one finished inside the 3 s grace period.)
+        longs = [stream_until_cut(server.url, 1000, logprobs=5) for _ in range(6)]
         deadline = time.monotonic() + 60
         while short["chunks"] < 2 or any(long["chunks"] < 2 for long in longs):
             assert time.monotonic() < deadline, f"the streams did not start in 60 s: {short}, {longs}, {server.lines}"
