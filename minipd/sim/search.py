@@ -91,6 +91,12 @@ def goodput_rates(start: float, rel_tol: float, max_runs: int = 24) -> Generator
     return low
 
 
+def _mean_length(lengths: str | int, name: str) -> float:
+    """The mean of a fixed sample of ``lengths`` (as :func:`~minipd.serve.workload.draw_lengths` takes them): the
+    same for the same lengths, whatever else is drawn."""
+    return float(draw_lengths(lengths, 20_000, np.random.default_rng(0), name).mean())
+
+
 def steady_duration(output_lens: str | int, slo: Slo, lifetimes: float = 20.0, floor_s: float = 30.0) -> float:
     """Seconds of arrivals for a goodput run to come near steady state: ``lifetimes`` times the life of a request
     of the mean answer length that just meets ``slo`` (its TTFT target plus one TPOT target per token), and at
@@ -104,8 +110,7 @@ def steady_duration(output_lens: str | int, slo: Slo, lifetimes: float = 20.0, f
         raise ValueError("steady_duration needs slo.tpot_ms: a request's lifetime is counted in TPOT targets")
     if not (lifetimes > 0 and floor_s >= 0):
         raise ValueError(f"need lifetimes > 0 and floor_s >= 0, got {lifetimes} and {floor_s}")
-    # The mean of a fixed sample: the same duration for the same lengths, whatever else is drawn.
-    mean_output = float(draw_lengths(output_lens, 20_000, np.random.default_rng(0), "output_lens").mean())
+    mean_output = _mean_length(output_lens, "output_lens")
     lifetime_s = ((slo.ttft_ms or 0.0) + mean_output * slo.tpot_ms) / 1e3
     return max(floor_s, lifetimes * lifetime_s)
 
@@ -389,8 +394,7 @@ def search_start(unit: ClusterSpec, workload: WorkloadShape) -> float:
     falling as the rate rises); the one at or below the rate at which the unit's prefill steps alone, one mean
     prompt each, would keep it busy, which its goodput seldom exceeds by much. Starting near the answer saves the
     runs of doubling up to it: a unit serving hundreds of requests/s would otherwise take seven from 4."""
-    mean_prompt = max(1, round(float(draw_lengths(workload.prompt_lens, 20_000, np.random.default_rng(0),
-                                                  "prompt_lens").mean())))
+    mean_prompt = max(1, round(_mean_length(workload.prompt_lens, "prompt_lens")))
     prompt = StepWork.of(((mean_prompt, mean_prompt),), 0, 0)
     try:
         rate = sum(s.count / s.model.step_time(prompt) for s in unit.instances if s.role != "decode")
