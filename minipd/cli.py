@@ -106,7 +106,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     secret = Path(args.secret_file) if args.secret_file else None
     return run_launched_worker(args.connect, args.role, args.host, args.num_prefill_workers, args.join_timeout,
-                               secret)
+                               secret, args.front_end_timeout)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="under torchrun without --role: ranks below this prefill (default 1)")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the front end (default 300)")
+    worker.add_argument("--front-end-timeout", type=float, default=30.0,
+                        help="leave when the connection to the front end has been down this many seconds without "
+                             "a shutdown (the front end killed, stopped or unreachable; default 30)")
     worker.add_argument("--secret-file", default=None,
                         help="file holding the cluster secret every message is signed with (default: "
                              "$MINIPD_CLUSTER_SECRET, else $MINIPD_CLUSTER_SECRET_FILE, else "

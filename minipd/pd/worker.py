@@ -21,11 +21,15 @@ The messages both ways are the typed dataclasses of :mod:`minipd.pd.messages` (c
 Both directions go through :class:`minipd.wire.Codec`: typed MessagePack, signed with the front
 end's key (nothing is unpickled), so a stray or forged packet is dropped with a warning. A worker
 reports at least every :data:`HEARTBEAT_INTERVAL` seconds; after an error that leaves its engine
-unusable it reports it and exits.
+unusable it reports it and exits. It also leaves when its front end is gone without a ``Shutdown``
+(killed, its machine lost, or the message lost): a spawned worker when its parent process is no more,
+a launched one when its connection to the front end has been down for ``front_end_timeout`` seconds
+(:class:`FrontEndWatch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import sys
@@ -35,8 +39,15 @@ import traceback
 from typing import Any
 
 from minipd.pd import messages as m
-from minipd.wire import Codec, cluster_secret, receive
+from minipd.wire import Codec, cluster_secret, receive, send_nowait
 
+#: A launched worker pings its front end this often (ZeroMQ's own heartbeat), and takes the connection for
+#: lost when no answer came for PING_TIMEOUT seconds: a front end whose machine vanished or whose process
+#: was stopped says nothing, where a killed one's connection closes at once.
+PING_INTERVAL = 1.0
+PING_TIMEOUT = 5.0
+#: How long a launched worker waits for a lost connection to its front end to come back before it leaves.
+FRONT_END_TIMEOUT = 30.0
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
 #: Every worker reports at least this often, so the front end can tell a silent (stopped, wedged or
@@ -61,6 +72,50 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class FrontEndGone(ConnectionError):
+    """The front end can no longer be reached: the worker has nobody to serve."""
+
+
+class FrontEndWatch:
+    """Whether a launched worker's front end is still there, from the worker's connection to it.
+
+    The worker's outbox connects to the front end; ZeroMQ pings over it (every :data:`PING_INTERVAL` s) and
+    drops it when a ping goes unanswered for :data:`PING_TIMEOUT` s, or at once when the front end's process
+    ends. The front end counts as there until the connection has been down ``timeout`` seconds without a new
+    handshake (a network blip it survives; a new front end at the same address would not know the worker).
+    Call :meth:`alive` often: it reads the socket's events as they come.
+    """
+
+    def __init__(self, socket: Any, timeout: float = FRONT_END_TIMEOUT) -> None:
+        import zmq
+
+        if not timeout > 0:
+            raise ValueError(f"front_end_timeout must be > 0 seconds, got {timeout!r}")
+        # Before the socket connects, so that neither the options nor its first handshake are missed.
+        socket.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PING_TIMEOUT * 1000))
+        self.socket, self.timeout = socket, timeout
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.connected, self.down_since = False, time.monotonic()
+
+    def alive(self) -> bool:
+        """False once the connection has been down ``timeout`` seconds (or never came up in that time)."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected, self.down_since = False, time.monotonic()
+        return self.connected or time.monotonic() - self.down_since < self.timeout
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 def role_options(role: str, llm_options: dict) -> dict:
@@ -105,7 +160,8 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
 
 def run_launched_worker(connect: str, role: str | None = None, host: str = "127.0.0.1",
                         num_prefill_workers: int = 1, join_timeout: float = 300.0,
-                        secret: str | bytes | os.PathLike | None = None) -> int:
+                        secret: str | bytes | os.PathLike | None = None,
+                        front_end_timeout: float = FRONT_END_TIMEOUT) -> int:
     """Entry point of ``python -m minipd worker``: a worker started by hand (or by ``torchrun``), on this
     machine or another, that joins a front end listening at ``connect``.
 
@@ -116,7 +172,9 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     user's secret file); a message that is not is logged and dropped. Under ``torchrun`` the role may
     be left out: ranks below ``num_prefill_workers`` prefill, the others decode, and the ``torch``
     transport uses torchrun's rendezvous. It serves
-    until the front end shuts it down (or it is killed). Returns the exit status.
+    until the front end shuts it down (exit status 0), or until its connection to the front end has been
+    down for ``front_end_timeout`` seconds (the front end killed, stopped or unreachable, so that no
+    ``Shutdown`` came: it says so on stderr and returns 1), or it is killed.
     """
     import zmq
 
@@ -130,6 +188,7 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     codec = Codec(cluster_secret(secret, create=True))
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
+    watch = FrontEndWatch(push, front_end_timeout)
     push.connect(connect)
     pull = context.socket(zmq.PULL)
     pull.bind(f"tcp://{host}:*")
@@ -149,9 +208,14 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
             return 0  # refused (the front end has enough workers) or shut down before it started
         transport = {**message.transport, "host": host}
         _serve(message.name, role, message.model, message.llm_options, message.kv_lease_s, message.threads,
-               transport, pull, push, lambda: True, codec)
+               transport, pull, push, watch.alive, codec)
+        if not watch.alive():
+            print(f"minipd worker: the front end at {connect} has been unreachable for {front_end_timeout:g} s "
+                  "and sent no shutdown: leaving", file=sys.stderr, flush=True)
+            return 1
         return 0
     finally:
+        watch.close()
         push.close(linger=1000)
         pull.close(linger=0)
         context.term()
@@ -175,7 +239,8 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
     def send(report: m.Message) -> None:
-        push.send(codec.encode(m.stamped(report, name)))
+        # Never a blocking send: with the front end gone, a full outbox would hold the worker for ever.
+        send_nowait(push, codec.encode(m.stamped(report, name)), parent_alive, FrontEndGone, "the front end")
 
     built = None
     try:
@@ -195,10 +260,13 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
         send(m.Ready(os.getpid(), kv.peer_info(), core.block_manager.num_blocks, core.kv_spec.to_dict(),
                      {k: str(v) for k, v in core.describe().items()}))
         _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
+    except FrontEndGone:
+        pass  # nobody to tell
     except Exception as err:
         # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
         # and exit, and the front end sends its requests elsewhere.
-        send(m.Failure(f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        with contextlib.suppress(FrontEndGone):
+            send(m.Failure(f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
         if built is not None:
             built.close()
