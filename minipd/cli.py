@@ -99,6 +99,17 @@ def _build_kernels(_: argparse.Namespace) -> int:
     return 0 if module is not None else 1
 
 
+def _non_negative_seconds(text: str) -> float:
+    """An argparse type: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
+
+
 def _worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -106,7 +117,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     secret = Path(args.secret_file) if args.secret_file else None
     return run_launched_worker(args.connect, args.role, args.host, args.num_prefill_workers, args.join_timeout,
-                               secret, args.front_end_timeout)
+                               secret, args.front_end_grace)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -197,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="under torchrun without --role: ranks below this prefill (default 1)")
     worker.add_argument("--join-timeout", type=float, default=300.0,
                         help="seconds to wait for the front end (default 300)")
-    worker.add_argument("--front-end-timeout", type=float, default=30.0,
-                        help="leave when the connection to the front end has been down this many seconds without "
-                             "a shutdown (the front end killed, stopped or unreachable; default 30)")
+    worker.add_argument("--front-end-grace", type=_non_negative_seconds, default=5.0,
+                        help="seconds to go on once the connection to the front end has closed without a shutdown "
+                             "(its process killed or crashed), then leave with exit status 1 (default 5)")
     worker.add_argument("--secret-file", default=None,
                         help="file holding the cluster secret every message is signed with (default: "
                              "$MINIPD_CLUSTER_SECRET, else $MINIPD_CLUSTER_SECRET_FILE, else "

@@ -317,13 +317,19 @@ def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception
             socket.send(data, flags=zmq.NOBLOCK)
             return
         except zmq.Again:
-            if not peer_alive():
-                raise error(f"{what} is gone") from None
-            if deadline is not None and time.monotonic() > deadline:
-                raise error(f"{what} took no message for {patience:g} s") from None
-            time.sleep(0.001)
+            pass
         except zmq.ZMQError as err:  # the socket (or its context) was closed under us
             raise error(f"{what}: cannot send ({err})") from None
-
+        if not peer_alive():
+            raise error(f"{what} is gone")
+        if deadline is not None and time.monotonic() > deadline:
+            raise error(f"{what} took no message for {patience:g} s")
+        # Wait for room (not a busy loop: a peer that reads nothing for an hour costs no CPU), asking again
+        # after at most 50 ms whether the peer is still there.
+        wait_ms = 50 if deadline is None else max(1, min(50, int((deadline - time.monotonic()) * 1000)))
+        try:
+            socket.poll(wait_ms, zmq.POLLOUT)
+        except zmq.ZMQError as err:
+            raise error(f"{what}: cannot send ({err})") from None
 
 __all__ = ["ALLOWED", "Codec", "WireError", "cluster_secret", "new_key", "receive", "send_nowait"]

@@ -270,6 +270,13 @@ def test_a_send_to_a_socket_nobody_connected_to_gives_up_after_its_patience(tmp_
         assert time.monotonic() - began < 2
         with pytest.raises(WorkerError, match="is gone"):  # a peer known dead: at once, patience or not
             send_nowait(push, b"hello", lambda: False, WorkerError, "nobody", patience=60)
+        # Waiting costs no CPU (it polls for room, not a busy loop), and a peer found gone meanwhile ends it.
+        asked = []
+        cpu, began = time.process_time(), time.monotonic()
+        with pytest.raises(WorkerError, match="is gone"):
+            send_nowait(push, b"hello", lambda: asked.append(1) or len(asked) < 20, WorkerError, "nobody")
+        assert 0.5 < time.monotonic() - began < 10  # 20 looks at most 50 ms apart
+        assert time.process_time() - cpu < 0.2
     finally:
         push.close(linger=0)
         context.term()

@@ -21,10 +21,9 @@ The messages both ways are the typed dataclasses of :mod:`minipd.pd.messages` (c
 Both directions go through :class:`minipd.wire.Codec`: typed MessagePack, signed with the front
 end's key (nothing is unpickled), so a stray or forged packet is dropped with a warning. A worker
 reports at least every :data:`HEARTBEAT_INTERVAL` seconds; after an error that leaves its engine
-unusable it reports it and exits. It also leaves when its front end is gone without a ``Shutdown``
-(killed, its machine lost, or the message lost): a spawned worker when its parent process is no more,
-a launched one when its connection to the front end has been down for ``front_end_timeout`` seconds
-(:class:`FrontEndWatch`).
+unusable it reports it and exits. It also leaves when its front end's process is gone without a
+``Shutdown`` (killed, crashed): a spawned worker when its parent process is no more, a launched one
+shortly after its connection to the front end closes (:class:`FrontEndWatch`).
 """
 
 from __future__ import annotations
@@ -41,13 +40,9 @@ from typing import Any
 from minipd.pd import messages as m
 from minipd.wire import Codec, cluster_secret, receive, send_nowait
 
-#: A launched worker pings its front end this often (ZeroMQ's own heartbeat), and takes the connection for
-#: lost when no answer came for PING_TIMEOUT seconds: a front end whose machine vanished or whose process
-#: was stopped says nothing, where a killed one's connection closes at once.
-PING_INTERVAL = 1.0
-PING_TIMEOUT = 5.0
-#: How long a launched worker waits for a lost connection to its front end to come back before it leaves.
-FRONT_END_TIMEOUT = 30.0
+#: How long a launched worker goes on, once its connection to the front end has closed, before it leaves (a
+#: shutdown sent just before may still be on its way, over the other connection).
+FRONT_END_GRACE = 5.0
 #: How long the loop waits for a message when transfers or leases need watching.
 POLL_INTERVAL = 0.005
 #: Every worker reports at least this often, so the front end can tell a silent (stopped, wedged or
@@ -81,37 +76,40 @@ class FrontEndGone(ConnectionError):
 class FrontEndWatch:
     """Whether a launched worker's front end is still there, from the worker's connection to it.
 
-    The worker's outbox connects to the front end; ZeroMQ pings over it (every :data:`PING_INTERVAL` s) and
-    drops it when a ping goes unanswered for :data:`PING_TIMEOUT` s, or at once when the front end's process
-    ends. The front end counts as there until the connection has been down ``timeout`` seconds without a new
-    handshake (a network blip it survives; a new front end at the same address would not know the worker).
-    Call :meth:`alive` often: it reads the socket's events as they come.
+    The worker's outbox connects to the front end. When the front end's process ends without a shutdown
+    (killed, crashed), its operating system closes that connection, and a ZeroMQ socket monitor sees it go.
+    From then on the front end counts as gone ``grace`` seconds later (time for a shutdown already sent to
+    arrive), even if a connection comes up again: a new front end at the same address does not know this
+    worker. A stopped front end keeps its connections, and its workers: it may be resumed. One whose machine
+    became unreachable is noticed only when TCP gives up on the connection (on Linux, after some 15 minutes of
+    unanswered retransmissions). (ZeroMQ's own pings would notice sooner, but they go unanswered, and the
+    connection is dropped and remade with messages reordered or lost, whenever the front end merely stops
+    reading: its inbox full while it is not pumping.) Call :meth:`alive` often: it reads the events as they come.
     """
 
-    def __init__(self, socket: Any, timeout: float = FRONT_END_TIMEOUT) -> None:
+    def __init__(self, socket: Any, grace: float = FRONT_END_GRACE) -> None:
         import zmq
 
-        if not timeout > 0:
-            raise ValueError(f"front_end_timeout must be > 0 seconds, got {timeout!r}")
-        # Before the socket connects, so that neither the options nor its first handshake are missed.
-        socket.setsockopt(zmq.HEARTBEAT_IVL, int(PING_INTERVAL * 1000))
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PING_TIMEOUT * 1000))
-        self.socket, self.timeout = socket, timeout
+        if not grace >= 0:
+            raise ValueError(f"front_end_grace must be >= 0 seconds, got {grace!r}")
+        self.socket, self.grace = socket, grace
+        # Before the socket connects, so that its first handshake is not missed.
         self.monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.connected, self.down_since = False, time.monotonic()
+        self.connected = False
+        self.lost_at: float | None = None
 
     def alive(self) -> bool:
-        """False once the connection has been down ``timeout`` seconds (or never came up in that time)."""
+        """False from ``grace`` seconds after the connection to the front end first closed."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        while self.monitor.poll(0):
+        while self.lost_at is None and self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
             elif event == zmq.EVENT_DISCONNECTED and self.connected:
-                self.connected, self.down_since = False, time.monotonic()
-        return self.connected or time.monotonic() - self.down_since < self.timeout
+                self.lost_at = time.monotonic()
+        return self.lost_at is None or time.monotonic() - self.lost_at < self.grace
 
     def close(self) -> None:
         self.socket.disable_monitor()
@@ -161,7 +159,7 @@ def run_worker(role: str, index: int, model: str, llm_options: dict, inbox: str,
 def run_launched_worker(connect: str, role: str | None = None, host: str = "127.0.0.1",
                         num_prefill_workers: int = 1, join_timeout: float = 300.0,
                         secret: str | bytes | os.PathLike | None = None,
-                        front_end_timeout: float = FRONT_END_TIMEOUT) -> int:
+                        front_end_grace: float = FRONT_END_GRACE) -> int:
     """Entry point of ``python -m minipd worker``: a worker started by hand (or by ``torchrun``), on this
     machine or another, that joins a front end listening at ``connect``.
 
@@ -172,9 +170,9 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
     user's secret file); a message that is not is logged and dropped. Under ``torchrun`` the role may
     be left out: ranks below ``num_prefill_workers`` prefill, the others decode, and the ``torch``
     transport uses torchrun's rendezvous. It serves
-    until the front end shuts it down (exit status 0), or until its connection to the front end has been
-    down for ``front_end_timeout`` seconds (the front end killed, stopped or unreachable, so that no
-    ``Shutdown`` came: it says so on stderr and returns 1), or it is killed.
+    until the front end shuts it down (exit status 0), or, if the front end's process ends without a shutdown
+    (killed, crashed), until ``front_end_grace`` seconds after its connection to the front end closed
+    (:class:`FrontEndWatch`; it says so on stderr and returns 1), or it is killed.
     """
     import zmq
 
@@ -185,14 +183,16 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         role = "prefill" if int(rank) < num_prefill_workers else "decode"
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if not front_end_grace >= 0:
+        raise ValueError(f"front_end_grace must be >= 0 seconds, got {front_end_grace!r}")
     codec = Codec(cluster_secret(secret, create=True))
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
-    watch = FrontEndWatch(push, front_end_timeout)
-    push.connect(connect)
+    watch = FrontEndWatch(push, front_end_grace)
     pull = context.socket(zmq.PULL)
-    pull.bind(f"tcp://{host}:*")
     try:
+        push.connect(connect)
+        pull.bind(f"tcp://{host}:*")
         hello = m.Hello(role, pull.getsockopt_string(zmq.LAST_ENDPOINT), host,
                         free_port(host),  # in case it hosts torch.distributed's store
                         os.getpid(), None if rank is None else (int(rank), int(os.environ.get("WORLD_SIZE", "1"))))
@@ -207,13 +207,12 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
         if not isinstance(message, m.Configure):
             return 0  # refused (the front end has enough workers) or shut down before it started
         transport = {**message.transport, "host": host}
-        _serve(message.name, role, message.model, message.llm_options, message.kv_lease_s, message.threads,
-               transport, pull, push, watch.alive, codec)
-        if not watch.alive():
-            print(f"minipd worker: the front end at {connect} has been unreachable for {front_end_timeout:g} s "
-                  "and sent no shutdown: leaving", file=sys.stderr, flush=True)
-            return 1
-        return 0
+        ending = _serve(message.name, role, message.model, message.llm_options, message.kv_lease_s,
+                        message.threads, transport, pull, push, watch.alive, codec)
+        if ending == "front end gone":
+            print(f"minipd worker: the connection to the front end at {connect} closed and no shutdown came: "
+                  "leaving", file=sys.stderr, flush=True)
+        return 0 if ending == "shutdown" else 1
     finally:
         watch.close()
         push.close(linger=1000)
@@ -222,8 +221,9 @@ def run_launched_worker(connect: str, role: str | None = None, host: str = "127.
 
 
 def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: float, threads: int | None,
-           transport: dict, pull: Any, push: Any, parent_alive: Any, codec: Codec) -> None:
-    """Load the engine and the KV transport, say ready, and serve the front end's messages."""
+           transport: dict, pull: Any, push: Any, parent_alive: Any, codec: Codec) -> str:
+    """Load the engine and the KV transport, say ready, and serve the front end's messages. Returns how it
+    ended: ``"shutdown"``, ``"front end gone"`` or ``"failed"`` (reported to the front end)."""
     import torch
 
     if threads:
@@ -259,14 +259,19 @@ def _serve(name: str, role: str, model: str, llm_options: dict, kv_lease_s: floa
                                            store_hosted=transport.get("store_hosted", False))
         send(m.Ready(os.getpid(), kv.peer_info(), core.block_manager.num_blocks, core.kv_spec.to_dict(),
                      {k: str(v) for k, v in core.describe().items()}))
-        _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
-    except FrontEndGone:
-        pass  # nobody to tell
+        shut_down = _Worker(role, core, kv, send, kv_lease_s, HEARTBEAT_INTERVAL).serve(pull, parent_alive, codec)
+        return "shutdown" if shut_down else "front end gone"
+    except FrontEndGone as err:
+        if parent_alive():  # not gone: the socket failed (closed under the worker, its context ended)
+            print(f"minipd worker {name}: {err}", file=sys.stderr, flush=True)
+            return "failed"
+        return "front end gone"  # nobody to tell
     except Exception as err:
         # Whatever failed (the model, a transport, an expert-parallel rank), this worker is done: say so
         # and exit, and the front end sends its requests elsewhere.
         with contextlib.suppress(FrontEndGone):
             send(m.Failure(f"{name} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        return "failed"
     finally:
         if built is not None:
             built.close()
@@ -304,7 +309,8 @@ class _Worker:
         #: Requests aborted while a read into their blocks was under way, with the abort's arguments.
         self.abort_after_load: dict[str, tuple] = {}
 
-    def serve(self, pull: Any, parent_alive: Any, codec: Codec) -> None:
+    def serve(self, pull: Any, parent_alive: Any, codec: Codec) -> bool:
+        """Serve until a ``Shutdown`` (True) or until ``parent_alive()`` says the front end is gone (False)."""
         while True:
             sched = self.core.scheduler
             busy = bool(sched.running or sched.waiting)  # something can compute now
@@ -319,10 +325,10 @@ class _Worker:
             while pull.poll(timeout_ms):
                 message = receive(pull, codec, 0, "minipd worker")
                 if message is not None and not self.handle(message):
-                    return
+                    return True
                 timeout_ms = 0
             if not parent_alive():
-                return  # the front end is gone: nobody to serve
+                return False  # the front end is gone: nobody to serve
             if time.monotonic() - self.last_sent >= self.heartbeat:
                 self.send(m.Heartbeat())
             try:
