@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -153,28 +151,14 @@ def need_cpu_kernel():
 
 
 def listen_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port below the system's ephemeral range, for a front end that workers connect to before it
-    listens. Their connects are retried, and a retried connect to a port inside that range can be given that
-    very port as its own source (a TCP self-connect), holding the port the front end then fails to bind —
-    the likely cause of the `Address already in use` that once failed a launched-workers test."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    if low <= 2048:  # (no room below it: any free port, as the system hands them out)
-        from minipd.pd.worker import free_port
+    """A free TCP port below the system's ephemeral range (:func:`minipd.pd.worker.free_port`), for a front end
+    that workers connect to before it listens. Their connects are retried, and a retried connect to a port inside
+    that range can be given that very port as its own source (a TCP self-connect), holding the port the front end
+    then fails to bind — the likely cause of the `Address already in use` that once failed a launched-workers
+    test."""
+    from minipd.pd.worker import free_port
 
-        return free_port(host)
-    choose = random.Random()
-    for _ in range(200):
-        port = choose.randrange(max(1024, low - 12000), low)
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below {low} on {host}")
+    return free_port(host)
 
 
 def failed_start(start, stopped: list[int], bound: float = 60.0) -> tuple[BaseException | None, float]:

@@ -186,3 +186,21 @@ def test_a_prefill_worker_drops_decode_compilation_the_cluster_options_ask_of_de
     assert role_options("decode", asked) == asked
     explicit = {"compile_decode": True, "compile_warmup": True}
     assert role_options("prefill", explicit) == explicit  # asked for by name: kept, and checked as given
+
+
+def test_a_port_found_free_for_later_lies_below_the_ephemeral_range_and_can_be_bound():
+    """The port a launched worker offers for torch.distributed's store is bound only after its model has loaded:
+    from the ephemeral range, an outgoing connection could take it meanwhile."""
+    import socket
+    from pathlib import Path
+
+    from minipd.pd.worker import free_port
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 0  # (elsewhere: only that it can be bound)
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1  # chosen at random, not the same one each time
+    for port in ports:
+        assert 1024 <= port < low if low > 2048 else port > 0
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))

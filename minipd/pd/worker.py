@@ -51,10 +51,32 @@ HEARTBEAT_INTERVAL = 1.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on now (for torch.distributed's rendezvous)."""
+    """A TCP port on ``host`` that nothing listens on now, to be bound later (torch.distributed's store, hosted by
+    a launched worker once it has loaded its model): below the system's ephemeral range where there is room
+    (Linux's ``ip_local_port_range``). A port of that range, free now, can be taken before it is bound as the
+    source port of any outgoing connection, and a connect to it retried while nothing listens yet can even be
+    given it as its own source (a TCP self-connect); a port below the range is taken only by a listener asking
+    for it by number."""
+    import random
     import socket
 
-    with socket.socket() as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    host = host.strip("[]")
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # (Linux's default; elsewhere only a likely choice, still probed)
+    choose = random.Random()
+    for _ in range(200 if low > 2048 else 0):  # (no room below the range: any port, as the system hands them out)
+        port = choose.randrange(max(1024, low - 12000), low)
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
 
