@@ -297,29 +297,43 @@ def stream_until_cut(url: str, max_tokens: int, logprobs: int | None = None) -> 
     return result
 
 
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory) -> str:
+    """tiny-py with room for 8,192 positions (its rotary embedding has no learned length): answers long enough
+    to outlast a grace period on any machine, however fast its steps."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-py-8k"
+    shutil.copytree(ROOT / "assets" / "models" / "tiny-py", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
 @pytest.mark.parametrize("mode, grace", [
     ("colocated", None),
     pytest.param("disaggregated", 1.5, marks=needs_nixl),
     # (Workers that waited for the interpreter's teardown after serving took 2-3 s more here: 5.5-9.6 s in all.)
     pytest.param("disaggregated", None, marks=needs_nixl),
 ], ids=["colocated-default-grace", "disaggregated-grace-1.5s", "disaggregated-default-grace"])
-def test_sigterm_drains_then_leaves_nothing_behind(mode, grace):
+def test_sigterm_drains_then_leaves_nothing_behind(mode, grace, long_context_model):
     from minipd.serve.server import GRACE_S
 
     # Compiled decode off: this is about the drain's timing. (A long-lived server compiles its decode programs in
     # the background, and on 2 cores a program being traced slows every step beside it for seconds: see
     # test_a_served_engine_compiles_in_the_background_answers_meanwhile_and_stops_promptly.)
-    args = ["--option", "num_kv_blocks=256", "--option", "compile_decode=false"] + (
+    args = ["--model", long_context_model, "--option", "num_kv_blocks=2400", "--option", "compile_decode=false"] + (
         [] if grace is None else ["--grace", str(grace)])
     if mode == "disaggregated":
         args += ["--prefill-workers", "1", "--decode-workers", "1", "--option", "kv_lease_s=10"]
     with ServerProcess(*args) as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         short = stream_until_cut(server.url, 40)  # finishes within the grace period
-        # These do not: 1000 tokens each (about what the model's context holds), six at once, each token with its
-        # top-5 log-probabilities, so that every step carries more rows and more to send. (Three at once without
-        # log-probabilities took > 4 s on a busy day, and on a quiet one finished inside the 3 s grace period.)
-        longs = [stream_until_cut(server.url, 1000, logprobs=5) for _ in range(6)]
+        # These do not: 6,000 tokens each, six at once (all of them fit the pool: none waits), each token with its
+        # top-5 log-probabilities. (With tiny-py's 1,000 tokens, six at once, one finished inside the 3 s grace
+        # period on a quiet machine: the steps of 7 rows took ~3 ms. Here 6,000 steps at 1 ms would still take 6 s.)
+        longs = [stream_until_cut(server.url, 6000, logprobs=5) for _ in range(6)]
         deadline = time.monotonic() + 60
         while short["chunks"] < 2 or any(long["chunks"] < 2 for long in longs):
             assert time.monotonic() < deadline, f"the streams did not start in 60 s: {short}, {longs}, {server.lines}"
