@@ -28,16 +28,31 @@ ISAS = ("native", "avx2", "portable")
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (``/proc/cpuinfo``); empty elsewhere."""
+def _cpuinfo() -> tuple[str | None, frozenset[str]]:
+    """The first CPU's model name and feature flags as Linux reports them (``/proc/cpuinfo``), read once."""
+    name, flags = None, None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                if name is None and line.startswith("model name") and ":" in line:
+                    name = line.split(":", 1)[1].strip()
+                elif flags is None and line.startswith(("flags", "Features")) and ":" in line:
+                    flags = frozenset(line.split(":", 1)[1].split())
+                if name is not None and flags is not None:
+                    break
     except OSError:
         pass
-    return frozenset()
+    return name, flags or frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (``/proc/cpuinfo``); empty elsewhere."""
+    return _cpuinfo()[1]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what the platform says of its processor."""
+    return _cpuinfo()[0] or platform.processor() or platform.machine()
 
 
 def _x86() -> bool:
@@ -102,5 +117,5 @@ def usable_features(features: frozenset[str] | set[str], isa: str | None = None)
     return set(features)
 
 
-__all__ = ["ISAS", "ISA_ENV", "TORCH_ISA_ENVS", "cpu_flags", "isa_limits", "kernel_cflags", "kernel_isa",
+__all__ = ["ISAS", "ISA_ENV", "TORCH_ISA_ENVS", "cpu_flags", "cpu_model", "isa_limits", "kernel_cflags", "kernel_isa",
            "usable_features"]

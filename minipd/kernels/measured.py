@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from minipd.kernels.isa import cpu_flags, isa_limits, kernel_isa, usable_features
+from minipd.kernels.isa import cpu_flags, cpu_model, isa_limits, kernel_isa, usable_features
 
 #: A packed path is chosen over torch's only when it takes less than this share of its time (noise must not flip it).
 MARGIN = 0.95
@@ -38,17 +37,10 @@ def cpu_description() -> dict[str, Any]:
     """The CPU's model name and the instruction-set features that matter here (Linux's /proc/cpuinfo), less
     those the kernels are not built to use (``MINIPD_CPU_ISA``, :mod:`minipd.kernels.isa`: its value is then
     under ``"isa"``)."""
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     isa = kernel_isa()
     usable = usable_features(cpu_flags(), isa)
-    return {"cpu": name, "features": [f for f in FEATURES if f in usable], **({"isa": isa} if isa != "native" else {})}
+    features = [f for f in FEATURES if f in usable]
+    return {"cpu": cpu_model(), "features": features, **({"isa": isa} if isa != "native" else {})}
 
 
 def last_level_cache_bytes() -> int | None:

@@ -112,8 +112,6 @@ class FrontEndWatch:
     def __init__(self, socket: Any, grace: float = FRONT_END_GRACE) -> None:
         import zmq
 
-        if not grace >= 0:
-            raise ValueError(f"front_end_grace must be >= 0 seconds, got {grace!r}")
         self.socket, self.grace = socket, grace
         # Before the socket connects, so that its first handshake is not missed.
         self.monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
