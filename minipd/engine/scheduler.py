@@ -167,6 +167,7 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int, prefills_only: bool = False) -> int:
         scheduled = {id(r) for r, _ in batch.entries}
         allocate, running = self.block_manager.allocate, RequestStatus.RUNNING
+        prefix_caching = self.block_manager.enable_prefix_caching
         # (This loop runs once per running request per step, the simulator's hottest: no property calls.)
         for request in list(self.running):
             if budget == 0:
@@ -187,7 +188,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self._schedule(batch, request, num_new)
+                if prefix_caching:
+                    self._schedule(batch, request, num_new)
+                else:  # (what _schedule does without prefix caching, without its call)
+                    batch.entries.append((request, num_new))
                 budget -= num_new
         return budget
 
@@ -287,7 +291,9 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: list[Request], tokens: list[int], start: float) -> StepUpdate:
         """The executor ran ``batch`` (it started at ``start``) and sampled ``tokens`` for ``sampled``:
         commit the step, append the tokens, and take finished requests out of the queues."""
-        decodes = [request.is_decode(n) for request, n in batch.entries]  # asked before the commit advances them
+        # Request.is_decode for each entry, asked before the commit advances them (inline: once per row of every step).
+        decodes = [n == 1 and r.num_computed_tokens + 1 == len(r.all_token_ids) > r.num_prompt_tokens
+                   for r, n in batch.entries]
         self.commit(batch)
         context = decode_rows = 0
         chunk_sizes: list[int] = []

@@ -91,7 +91,8 @@ class StepWork:
         chunks, rows, context = [], 0, 0
         for request, n in entries:
             end = request.num_computed_tokens + n
-            if request.is_decode(n):
+            # (Request.is_decode, inline: once per row of every simulated step)
+            if n == 1 and end == len(request.all_token_ids) > request.num_prompt_tokens:
                 rows, context = rows + 1, context + end
             else:
                 chunks.append((n, end))

@@ -50,7 +50,8 @@ class TimedExecutor:
     def execute(self, batch: ScheduledBatch) -> StepResult:
         self.last_work = StepWork.from_entries(batch.entries)
         self.pending = self.model.step_time(self.last_work)
-        sampled = [request for request, n in batch.entries if request.samples_after(n)]
+        # (Request.samples_after, inline: once per row of every simulated step)
+        sampled = [r for r, n in batch.entries if r.num_computed_tokens + n == len(r.all_token_ids)]
         return StepResult(sampled, [SIM_TOKEN] * len(sampled), [None] * len(sampled), {})
 
 
