@@ -127,3 +127,33 @@ def test_every_path_of_the_kernels_passes_the_kernel_tests(limited):
     summary = run.stdout.strip().splitlines()[-1:] or ["(no output)"]
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in summary[0] and "skipped" not in summary[0], summary
+
+
+def test_two_generations_under_one_name_keep_their_measurements_and_programs_apart(monkeypatch):
+    """A virtual machine may call a Zen 4 and a Zen 5 EPYC both "AMD EPYC" with the same headline features,
+    while oneDNN multiplies twice as fast on the second: what one measured or compiled is not the other's."""
+    from minipd.bench.hf import machine_label
+    from minipd.engine.program_cache import program_key
+    from minipd.kernels.measured import cpu_description, machine_key
+
+    flags = frozenset({"fpu", "sse2", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"})
+    zen4 = {"vendor": "AuthenticAMD", "family": "25", "model": "17", "stepping": "1"}
+    zen5 = {"vendor": "AuthenticAMD", "family": "26", "model": "2", "stepping": "0"}
+
+    def as_if(identity: dict, extra: frozenset = frozenset()) -> tuple:
+        monkeypatch.setattr(isa, "_cpuinfo", lambda: ("AMD EPYC", flags | extra, identity))
+        return cpu_description(), machine_key(), program_key({}), machine_label()
+
+    for name in (isa.ISA_ENV, *isa.TORCH_ISA_ENVS):
+        monkeypatch.delenv(name, raising=False)
+    four, five = as_if(zen4), as_if(zen5)
+    assert four[0]["id"] == "family 25 model 17" and five[0]["id"] == "family 26 model 2"
+    assert four[0]["features"] == five[0]["features"] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
+    assert four[1] != five[1] and four[2] != five[2]
+    assert four[3].startswith("AMD EPYC (family 25 model 17; avx2, avx512f,")
+    # One flag more (a feature a hypervisor shows on one host and hides on another) changes what "native" builds.
+    more = as_if(zen5, frozenset({"avx512_vp2intersect"}))
+    assert more[1] != five[1] and more[2] != five[2] and more[0] == five[0]
+    # Where Linux gives no family (another architecture), the name and flags still key it, and nothing breaks.
+    bare = as_if({})
+    assert "id" not in bare[0] and bare[3].startswith("AMD EPYC (avx2, ") and bare[1] != four[1]

@@ -109,14 +109,17 @@ def file_workload(path: str, vocab_size: int, max_model_len: int, seed: int = 0)
 
 
 def machine_label() -> str:
-    """The CPU's model, its fast-kernel features and torch's thread count, for every figure's line; under an
-    instruction-set limit (``MINIPD_CPU_ISA``, ``ATEN_CPU_CAPABILITY``...) also the limits, and what torch's
-    kernels run."""
+    """The CPU's model, its generation (x86 family and model: one name may cover several), its fast-kernel
+    features and torch's thread count, for every figure's line; under an instruction-set limit
+    (``MINIPD_CPU_ISA``, ``ATEN_CPU_CAPABILITY``...) also the limits, and what torch's kernels run."""
     from minipd.kernels.isa import isa_limits
     from minipd.kernels.measured import cpu_description
 
     cpu = cpu_description()
-    label = f"{cpu['cpu']} ({', '.join(cpu['features']) or 'no AVX2'}), {torch.get_num_threads()} threads"
+    inside = ", ".join(cpu["features"]) or "no AVX2"
+    if cpu.get("id"):
+        inside = f"{cpu['id']}; {inside}"
+    label = f"{cpu['cpu']} ({inside}), {torch.get_num_threads()} threads"
     limits = isa_limits()
     if limits:  # a limited run: say by what, and what torch's own kernels run
         label += (f"; limited: {', '.join(f'{k}={v}' for k, v in limits.items())} (torch's kernels: "

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from minipd.kernels.isa import isa_limits
+from minipd.kernels.isa import flags_digest, isa_limits
 from minipd.kernels.measured import choices_file, cpu_description
 
 logger = logging.getLogger("minipd")
@@ -138,7 +138,8 @@ def program_key(parts: dict[str, Any]) -> str:
     cpu = cpu_description()
     # (the compiler's generated code follows torch's instruction set, which ATEN_CPU_CAPABILITY may limit)
     everything = {"format": FORMAT_VERSION, "torch": torch.__version__, "python": sys.version,
-                  "machine": platform.machine(), "cpu": cpu["cpu"], "features": cpu["features"],
+                  "machine": platform.machine(), "cpu": cpu["cpu"], "cpu_id": cpu.get("id"),
+                  "features": cpu["features"], "flags": flags_digest(),
                   "torch_isa": torch.backends.cpu.get_cpu_capability(), "isa_limits": isa_limits(),
                   "threads": torch.get_num_threads(), "minipd": source_fingerprint(), **parts}
     text = json.dumps(everything, sort_keys=True, default=lambda v: describe(v))

@@ -19,6 +19,7 @@ before the process first loads the kernels (they are loaded once).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 
@@ -28,21 +29,27 @@ ISAS = ("native", "avx2", "portable")
 
 
 @functools.cache
-def _cpuinfo() -> tuple[str | None, frozenset[str]]:
-    """The first CPU's model name and feature flags as Linux reports them (``/proc/cpuinfo``), read once."""
-    name, flags = None, None
+def _cpuinfo() -> tuple[str | None, frozenset[str], dict[str, str]]:
+    """The first CPU's model name, feature flags and identity fields (vendor, family, model, stepping) as Linux
+    reports them (``/proc/cpuinfo``), read once."""
+    name, flags, identity = None, None, {}
+    wanted = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping"}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if name is None and line.startswith("model name") and ":" in line:
-                    name = line.split(":", 1)[1].strip()
-                elif flags is None and line.startswith(("flags", "Features")) and ":" in line:
-                    flags = frozenset(line.split(":", 1)[1].split())
-                if name is not None and flags is not None:
+                field, _, value = line.partition(":")
+                field = field.strip()
+                if name is None and field == "model name":
+                    name = value.strip()
+                elif flags is None and field in ("flags", "Features"):
+                    flags = frozenset(value.split())
+                elif field in wanted and wanted[field] not in identity:
+                    identity[wanted[field]] = value.strip()
+                elif not field:  # (the first processor's block ends here)
                     break
     except OSError:
         pass
-    return name, flags or frozenset()
+    return name, flags or frozenset(), identity
 
 
 def cpu_flags() -> frozenset[str]:
@@ -53,6 +60,22 @@ def cpu_flags() -> frozenset[str]:
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what the platform says of its processor."""
     return _cpuinfo()[0] or platform.processor() or platform.machine()
+
+
+def cpu_identity() -> str:
+    """Which CPU generation this is, beyond its name: x86's family and model numbers (``"family 26 model 2"``),
+    or "" where Linux does not report them. A virtual machine may call two generations by one name ("AMD EPYC")
+    with the same headline features, while their fastest paths differ (a Zen 5 core multiplies twice as wide as
+    a Zen 4 core): what is measured or compiled on one must not be taken for the other's."""
+    identity = _cpuinfo()[2]
+    if "family" not in identity or "model" not in identity:
+        return ""
+    return f"family {identity['family']} model {identity['model']}"
+
+
+def flags_digest() -> str:
+    """A short hash of every feature flag the CPU reports: code built for "native" depends on all of them."""
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
 
 
 def _x86() -> bool:
@@ -117,5 +140,5 @@ def usable_features(features: frozenset[str] | set[str], isa: str | None = None)
     return set(features)
 
 
-__all__ = ["ISAS", "ISA_ENV", "TORCH_ISA_ENVS", "cpu_flags", "cpu_model", "isa_limits", "kernel_cflags", "kernel_isa",
-           "usable_features"]
+__all__ = ["ISAS", "ISA_ENV", "TORCH_ISA_ENVS", "cpu_flags", "cpu_identity", "cpu_model", "flags_digest", "isa_limits",
+           "kernel_cflags", "kernel_isa", "usable_features"]

@@ -6,7 +6,8 @@ time from 4 rows up, while on an Intel Xeon with AMX MKL was as fast and the pac
 at 0.88x; on an AVX2-only EPYC minipd's own panel kernel beat both. So ``python -m minipd build-kernels``
 times every path there is (torch's ``F.linear``, oneDNN, the C++ kernel) on this machine, on real engine
 steps (:mod:`minipd.engine.measure`), and keeps the winner in a small JSON file under the user's cache
-folder, keyed by the CPU, its instruction-set features, torch's version and the thread count;
+folder, keyed by the CPU (its name, family and model, and every feature flag it reports), torch's version
+and the thread count;
 ``linear_backend="auto"`` reads it (:func:`measured_choice`) and, when nothing was measured for this machine
 (or the C++ kernel was not among what was), takes the C++ kernel if built, else oneDNN if available. Likewise
 for the step size up to which one thread beats all (read by ``cpu_threads="auto"``).
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from minipd.kernels.isa import cpu_flags, cpu_model, isa_limits, kernel_isa, usable_features
+from minipd.kernels.isa import cpu_flags, cpu_identity, cpu_model, flags_digest, isa_limits, kernel_isa, usable_features
 
 #: A packed path is chosen over torch's only when it takes less than this share of its time (noise must not flip it).
 MARGIN = 0.95
@@ -34,13 +35,15 @@ FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf
 
 
 def cpu_description() -> dict[str, Any]:
-    """The CPU's model name and the instruction-set features that matter here (Linux's /proc/cpuinfo), less
-    those the kernels are not built to use (``MINIPD_CPU_ISA``, :mod:`minipd.kernels.isa`: its value is then
-    under ``"isa"``)."""
+    """The CPU's model name, its generation (``"id"``: x86's family and model, where Linux reports them) and the
+    instruction-set features that matter here (Linux's /proc/cpuinfo), less those the kernels are not built to use
+    (``MINIPD_CPU_ISA``, :mod:`minipd.kernels.isa`: its value is then under ``"isa"``)."""
     isa = kernel_isa()
     usable = usable_features(cpu_flags(), isa)
     features = [f for f in FEATURES if f in usable]
-    return {"cpu": cpu_model(), "features": features, **({"isa": isa} if isa != "native" else {})}
+    identity = cpu_identity()
+    return {"cpu": cpu_model(), **({"id": identity} if identity else {}), "features": features,
+            **({"isa": isa} if isa != "native" else {})}
 
 
 def last_level_cache_bytes() -> int | None:
@@ -60,12 +63,14 @@ def last_level_cache_bytes() -> int | None:
 
 
 def machine_key(threads: int | None = None) -> str:
-    """What a measured choice is valid for: the CPU, its features, torch's version and the thread count, and the
-    instruction-set limits the process runs under, if any (:func:`~minipd.kernels.isa.isa_limits`: oneDNN or MKL
-    held to AVX2 may well change which linear path wins)."""
+    """What a measured choice is valid for: the CPU (name, family and model, the features that matter and a hash
+    of all it reports: one name may cover two generations whose fastest paths differ), torch's version and the
+    thread count, and the instruction-set limits the process runs under, if any
+    (:func:`~minipd.kernels.isa.isa_limits`: oneDNN or MKL held to AVX2 may well change which linear path wins)."""
     cpu = cpu_description()
     threads = threads or torch.get_num_threads()
-    key = f"{cpu['cpu']}|{','.join(cpu['features'])}|torch {torch.__version__}|{threads} threads"
+    key = (f"{cpu['cpu']}|{cpu.get('id', '')}|{','.join(cpu['features'])}|flags {flags_digest()}"
+           f"|torch {torch.__version__}|{threads} threads")
     limits = isa_limits()
     return key + ("|" + ",".join(f"{k}={v}" for k, v in sorted(limits.items())) if limits else "")
 
