@@ -83,12 +83,14 @@ def _build_kernels(_: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     from minipd.engine.measure import measure_narrow_matmul_rows
 
-    print("timing bf16 and fp16 linears: torch's product against minipd's panel kernel...", flush=True)
+    print("timing fp32, bf16 and fp16 linears: oneDNN's (fp32) or torch's product against minipd's panel "
+          "kernel...", flush=True)
     record = measure_narrow_matmul_rows()
     save_choice("narrow_matmul_rows", record, threads=threads)
     for name, rows in record["choice"].items():
+        other = "oneDNN's packed product" if name == "float32" else "torch's product"
         print(f"{name} linears will multiply through the panel kernel "
-              + (f"up to {rows - 1} rows and through torch's product from {rows}" if rows else "at every size"))
+              + (f"up to {rows - 1} rows and through {other} from {rows}" if rows else "at every size"))
     if threads > 1:
         from minipd.engine.measure import measure_small_step_tokens
 

@@ -127,6 +127,58 @@ def test_a_compiled_panel_linear_calls_the_kernel_whole(kernels, rows):
     assert "minipd_cpu.panel_linear" in "\n".join(code)  # the op, not a matrix product the compiler wrote
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_an_fp32_panel_linear_hands_batches_from_its_measured_rows_to_onednn(kernels, rows):
+    from torch._inductor.utils import run_and_get_code
+
+    from minipd.kernels.cpu_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch build has no oneDNN linear: the fp32 hand-over is never made (checked elsewhere)")
+    torch.manual_seed(0)
+    linear, last = nn.Linear(64, 48), nn.Linear(48, 20, bias=False)
+    model = nn.Sequential(PanelLinear(linear, kernels, matmul_rows=4), nn.ReLU(), PanelLinear(last, kernels, 4))
+    assert all(m.packed is not None and m.matmul_rows == 4 for m in (model[0], model[2]))
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        want = F.linear(F.relu(F.linear(x, linear.weight, linear.bias)), last.weight)
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        got, code = run_and_get_code(torch.compile(model, fullgraph=True, dynamic=False), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Below the measured rows the panel kernel multiplies; from them on, oneDNN's packed product (as ops, whole).
+    assert ("minipd.onednn_linear" in "\n".join(code)) == (rows >= 4)
+    assert ("minipd_cpu.panel_linear" in "\n".join(code)) == (rows < 4)
+
+
+def test_fp32_engines_hand_batches_to_onednn_where_measured_and_give_the_same_tokens(kernels, tmp_path, monkeypatch):
+    from minipd.kernels.cpu_linear import onednn_available
+    from minipd.kernels.measured import save_choice
+
+    monkeypatch.setenv("MINIPD_CACHE_DIR", str(tmp_path))
+    unmeasured = LLM("tiny-py", linear_backend="cpu", compile_decode=False, num_kv_blocks=64)
+    assert all(m.matmul_rows is None and m.packed is None for m in unmeasured.model.modules()
+               if isinstance(m, PanelLinear))
+    save_choice("narrow_matmul_rows", {"choice": {"float32": 4, "bfloat16": None, "float16": None}})
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    plain = LLM("tiny-py", linear_backend="torch", compile_decode=False)
+    eager = LLM("tiny-py", linear_backend="cpu", compile_decode=False)
+    layers = [m for m in eager.model.modules() if isinstance(m, PanelLinear)]
+    if not onednn_available():
+        assert all(m.matmul_rows is None and m.packed is None for m in layers)
+        print("this torch build has no oneDNN linear: the hand-over was not made (checked: none packed for it)")
+        return
+    assert layers and all(m.matmul_rows == 4 and m.packed is not None for m in layers)
+    compiled = LLM("tiny-py", linear_backend="cpu", compile_decode=True, compile_batch_sizes=(1, 2, 4, 8))
+    want = plain.generate(PROMPTS, params)
+    for got in (eager.generate(PROMPTS, params), compiled.generate(PROMPTS, params)):
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for a, b in zip(got, want, strict=True):
+            for step_a, step_b in zip(a.logprobs, b.logprobs, strict=True):
+                assert step_a.keys() == step_b.keys()
+                assert max(abs(step_a[t] - step_b[t]) for t in step_a) < 1e-3
+
+
 @pytest.mark.parametrize("model", ["tiny-py", "tiny-py-moe"])
 def test_panel_linears_give_the_same_greedy_tokens(kernels, model):
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (24, 5, 40, 12, 30)]

@@ -125,18 +125,21 @@ NARROW_SHAPE = (2048, 2048)
 NARROW_MATRICES = 8
 
 
-def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16), rounds: int = 3,
-                               rows: tuple[int, ...] = NARROW_ROWS) -> dict[str, Any]:
-    """For bf16 and fp16 weights: from how many rows torch's own product (``F.linear``; oneDNN with the CPU's bf16
-    instructions where it has them) takes under :data:`MARGIN` of the panel kernel's time, at that row count and
-    every larger one timed; None where it never does. The two paths alone, over :data:`NARROW_MATRICES` weights
-    that do not fit the caches (as a model's do not), on this process's threads, interleaved: the crossover is in
-    batches of several register blocks, where a step is a few large products, not the dozens of small ops that made
-    timing linears alone mislead for decode steps. (On the AVX-512 EPYC with AVX512-BF16: torch's bf16 product took
-    0.86x the panels' time at 16 rows and 0.44–0.49x from 128; fp16's, without fp16 arithmetic, 3.6–4.8x.)"""
+def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+                               rounds: int = 3, rows: tuple[int, ...] = NARROW_ROWS) -> dict[str, Any]:
+    """For each weight dtype: from how many rows another product takes under :data:`MARGIN` of the panel kernel's
+    time, at that row count and every larger one timed; None where it never does. For bf16 and fp16 that is
+    torch's own product (``F.linear``; oneDNN with the CPU's bf16 instructions where it has them), for fp32
+    oneDNN's packed product (None where this torch has none). The two paths alone, over :data:`NARROW_MATRICES`
+    weights that do not fit the caches (as a model's do not), on this process's threads, interleaved: the crossover
+    is in batches of several register blocks, where a step is a few large products, not the dozens of small ops
+    that made timing linears alone mislead for decode steps. (On the Zen 4 EPYC with AVX512-BF16: torch's bf16
+    product took 0.86x the panels' time at 16 rows and 0.44–0.49x from 128; fp16's, without fp16 arithmetic,
+    3.6–4.8x. On a Zen 5 EPYC, whose AVX-512 units are twice as wide: oneDNN's fp32 product 0.81x at 8 rows,
+    0.52x from 256, about 490 GFLOP/s on two cores against the panels' 250.)"""
     import torch.nn.functional as F
 
-    from minipd.kernels.cpu_linear import panel_kernels
+    from minipd.kernels.cpu_linear import onednn_available, panel_kernels
 
     module = panel_kernels()
     if module is None:
@@ -146,8 +149,13 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16
     choice: dict[str, int | None] = {}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
+        fp32 = dtype == torch.float32
+        if fp32 and not onednn_available():
+            choice[name] = None
+            continue
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(NARROW_MATRICES)]
         packed = [module.pack_panels(w) for w in weights]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights] if fp32 else []
         ratios[name] = {}
         for count in rows:
             x = torch.randn(count, in_features).to(dtype)
@@ -156,8 +164,10 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16
                 for p in packed:
                     module.panel_linear(x, p, None, out_features)
 
-            def through_torch(x: torch.Tensor = x, weights: list = weights) -> None:
-                for w in weights:
+            def through_torch(x: torch.Tensor = x, weights: list = weights, onednn: list = onednn) -> None:
+                for w in onednn:
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                for w in weights if not onednn else ():
                     F.linear(x, w)
 
             for _ in range(rounds):  # interleaved

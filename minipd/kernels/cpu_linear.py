@@ -163,9 +163,11 @@ def panel_kernels() -> object | None:
 
 
 def narrow_matmul_rows(dtype: torch.dtype) -> int | None:
-    """Rows from which torch's own product of ``dtype`` (bf16, fp16) weights is faster than the panel kernel on
-    this machine, as ``python -m minipd build-kernels`` measured it (CPUs with bf16 arithmetic, AVX512-BF16 or
-    AMX, multiply large bf16 batches faster than any fp32 kernel can); None when not measured or never."""
+    """Rows from which another product of ``dtype`` weights is faster than the panel kernel on this machine, as
+    ``python -m minipd build-kernels`` measured it; None when not measured or never. For bf16 and fp16, torch's
+    own product (CPUs with bf16 arithmetic, AVX512-BF16 or AMX, multiply large bf16 batches faster than any fp32
+    kernel can); for fp32, oneDNN's packed one (a core with full-width AVX-512, such as AMD's Zen 5, runs it at
+    about twice the panels' rate from 8 rows, while one decode row is as fast either way)."""
     from minipd.kernels.measured import measured_choice
 
     choice = measured_choice("narrow_matmul_rows")
@@ -179,15 +181,16 @@ class PanelLinear(_RepackedLinear):
 
     fp32, bf16 or fp16 weights: the panels keep the weight's dtype and the kernel widens them to fp32 as it
     loads them (inputs, products and sums in fp32, the result rounded once to the input's dtype). A bf16 or
-    fp16 linear hands batches of ``matmul_rows`` rows and more to torch's own product (:func:`pack_panel_linears`
-    passes :func:`narrow_matmul_rows`, where that was measured faster: bf16 arithmetic in the CPU).
+    fp16 linear hands batches of ``matmul_rows`` rows and more to torch's own product, an fp32 one to oneDNN's
+    packed product (:func:`pack_panel_linears` passes :func:`narrow_matmul_rows`, where that was measured faster:
+    bf16 arithmetic in the CPU, or a core whose oneDNN kernels multiply wider than the panels').
 
     The kernel multiplies up to six rows by a panel in registers, reading the weight once per six rows, in
     order: one decode row streams it at memory speed, a batch runs at the FMA units' rate. On the 2-core AVX2
     EPYC, the 40 linears of a 50M-parameter model, 2 threads: 1 row 6.9 ms against oneDNN's 9.8, 16 rows 13.8
     against 19.2, 64 rows 41.6 against 51.1; and 175-195 GFLOP/s against oneDNN's 150-163 on prefill's
     64-1,024 rows. ``weight`` and ``bias`` stay the original tensors (ties and state dicts unchanged); the panels
-    cost the weight's size again.
+    cost the weight's size again (and an fp32 weight handed over to oneDNN, its packed layout once more).
     """
 
     dtypes = PANEL_DTYPES
@@ -196,24 +199,36 @@ class PanelLinear(_RepackedLinear):
         super().__init__(linear)
         # The extension's functions, not the module: a module object would not survive a deepcopy of the model.
         self._pack, self._multiply = module.pack_panels, module.panel_linear  # type: ignore[attr-defined]
-        #: Rows from which a bf16/fp16 linear multiplies through F.linear instead (None: never; fp32: ignored).
-        self.matmul_rows = None if linear.weight.dtype == torch.float32 else matmul_rows
+        fp32 = linear.weight.dtype == torch.float32
+        #: Rows from which the linear multiplies through another product instead (None: never): F.linear for
+        #: bf16/fp16 weights, oneDNN's packed product for fp32 ones (which then keep that layout too).
+        self.matmul_rows = None if fp32 and not onednn_available() else matmul_rows
+        self._onednn = fp32 and self.matmul_rows is not None
         self.repack()
 
     def repack(self) -> None:
         """Pack ``weight`` again (after it was changed in place)."""
-        # Not a parameter or buffer: derived from `weight`, rebuilt here if the weight changes.
+        # Not parameters or buffers: derived from `weight`, rebuilt here if the weight changes.
         self.panels = self._pack(self.weight.detach())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if self._onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        compiling = torch.compiler.is_compiling()
         if self.matmul_rows is not None and rows >= self.matmul_rows:
-            return F.linear(x, self.weight, self.bias)
+            if self.packed is None:
+                return F.linear(x, self.weight, self.bias)
+            flat = x.reshape(rows, x.shape[-1]).contiguous()
+            if compiling:
+                out = onednn_linear(flat, self.packed, self.bias, self.out_features)
+            else:  # (the op itself, as PackedLinear calls it eagerly)
+                out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out.view(*x.shape[:-1], self.out_features)
         flat = x.reshape(rows, x.shape[-1])
         bias = None if self.bias is None else self.bias.detach()
-        if torch.compiler.is_compiling():  # the dispatcher op: the compiled graph calls the kernel whole
+        if compiling:  # the dispatcher op: the compiled graph calls the kernel whole
             out = torch.ops.minipd_cpu.panel_linear(flat, self.panels, bias, self.out_features)
         else:  # the extension's own binding: the dispatcher's Python path costs more than a small call
             out = self._multiply(flat, self.panels, bias, self.out_features)
@@ -228,8 +243,8 @@ def pack_panel_linears(model: nn.Module) -> int:
     if module is None:
         raise ValueError("linear_backend='cpu' needs minipd's C++ CPU kernels: run `python -m minipd build-kernels` "
                          "(a C++ compiler and ninja), or use linear_backend='onednn' or 'torch'")
-    # (The measured hand-over to torch's product, read once per dtype, not once per layer.)
-    handover = {dtype: narrow_matmul_rows(dtype) for dtype in PANEL_DTYPES if dtype != torch.float32}
+    # (The measured hand-over to another product, read once per dtype, not once per layer.)
+    handover = {dtype: narrow_matmul_rows(dtype) for dtype in PANEL_DTYPES}
     return _swap_linears(model, lambda linear: PanelLinear(linear, module, handover.get(linear.weight.dtype)),
                          PANEL_DTYPES)
 
