@@ -332,4 +332,5 @@ def send_nowait(socket: Any, data: bytes, peer_alive: Any, error: type[Exception
         except zmq.ZMQError as err:
             raise error(f"{what}: cannot send ({err})") from None
 
+
 __all__ = ["ALLOWED", "Codec", "WireError", "cluster_secret", "new_key", "receive", "send_nowait"]

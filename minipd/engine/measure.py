@@ -139,7 +139,7 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.float32,
     0.52x from 256, about 490 GFLOP/s on two cores against the panels' 250.)"""
     import torch.nn.functional as F
 
-    from minipd.kernels.cpu_linear import onednn_available, panel_kernels
+    from minipd.kernels.cpu_linear import onednn_available, onednn_multiply, onednn_pack, panel_kernels
 
     module = panel_kernels()
     if module is None:
@@ -155,7 +155,7 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.float32,
             continue
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(NARROW_MATRICES)]
         packed = [module.pack_panels(w) for w in weights]
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights] if fp32 else []
+        onednn = [onednn_pack(w) for w in weights] if fp32 else []
         ratios[name] = {}
         for count in rows:
             x = torch.randn(count, in_features).to(dtype)
@@ -165,10 +165,12 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.float32,
                     module.panel_linear(x, p, None, out_features)
 
             def through_torch(x: torch.Tensor = x, weights: list = weights, onednn: list = onednn) -> None:
-                for w in onednn:
-                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                for w in weights if not onednn else ():
-                    F.linear(x, w)
+                if onednn:  # fp32: oneDNN's packed product
+                    for w in onednn:
+                        onednn_multiply(x, w, None, out_features)
+                else:
+                    for w in weights:
+                        F.linear(x, w)
 
             for _ in range(rounds):  # interleaved
                 panel.append(best_seconds(through_panels, 1))

@@ -65,6 +65,22 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+def onednn_pack(weight: torch.Tensor, batch_size_hint: int = 64) -> torch.Tensor:
+    """``weight`` laid out for oneDNN's packed product (:func:`onednn_multiply`), for batches of about
+    ``batch_size_hint`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+
+
+def onednn_multiply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for a contiguous 2-D ``x`` against ``packed`` (:func:`onednn_pack`): the custom op while
+    compiling, so the graph calls it whole; eagerly the op itself (a custom op's Python wrapper costs ~20 us a
+    call)."""
+    if torch.compiler.is_compiling():
+        return onednn_linear(x, packed, bias, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows, written as an elementwise product summed over the inputs.
 
@@ -129,7 +145,7 @@ class PackedLinear(_RepackedLinear):
     def repack(self, batch_size_hint: int = 64) -> None:
         """Pack ``weight`` again (after it was changed in place)."""
         # Not parameters or buffers: derived from `weight`, rebuilt here if the weight changes.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        self.packed = onednn_pack(self.weight, batch_size_hint)
         self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,10 +160,8 @@ class PackedLinear(_RepackedLinear):
             # A product against the transposed copy beats F.linear's matrix-vector path and oneDNN at one row.
             out = torch.mm(flat, self.weight_t)
             out = out if self.bias is None else out + self.bias
-        elif compiling:
-            out = onednn_linear(flat.contiguous(), self.packed, self.bias, self.out_features)
-        else:  # the op itself: a custom op's Python wrapper costs ~20 us a call when run eagerly
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.packed, self.bias, "none", [], "")
+        else:
+            out = onednn_multiply(flat.contiguous(), self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -199,36 +213,30 @@ class PanelLinear(_RepackedLinear):
         super().__init__(linear)
         # The extension's functions, not the module: a module object would not survive a deepcopy of the model.
         self._pack, self._multiply = module.pack_panels, module.panel_linear  # type: ignore[attr-defined]
-        fp32 = linear.weight.dtype == torch.float32
         #: Rows from which the linear multiplies through another product instead (None: never): F.linear for
         #: bf16/fp16 weights, oneDNN's packed product for fp32 ones (which then keep that layout too).
-        self.matmul_rows = None if fp32 and not onednn_available() else matmul_rows
-        self._onednn = fp32 and self.matmul_rows is not None
+        self.matmul_rows = None if linear.weight.dtype == torch.float32 and not onednn_available() else matmul_rows
         self.repack()
 
     def repack(self) -> None:
         """Pack ``weight`` again (after it was changed in place)."""
         # Not parameters or buffers: derived from `weight`, rebuilt here if the weight changes.
         self.panels = self._pack(self.weight.detach())
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if self._onednn else None
+        to_onednn = self.matmul_rows is not None and self.weight.dtype == torch.float32
+        self.packed = onednn_pack(self.weight) if to_onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        compiling = torch.compiler.is_compiling()
         if self.matmul_rows is not None and rows >= self.matmul_rows:
             if self.packed is None:
                 return F.linear(x, self.weight, self.bias)
-            flat = x.reshape(rows, x.shape[-1]).contiguous()
-            if compiling:
-                out = onednn_linear(flat, self.packed, self.bias, self.out_features)
-            else:  # (the op itself, as PackedLinear calls it eagerly)
-                out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            out = onednn_multiply(x.reshape(rows, x.shape[-1]).contiguous(), self.packed, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         flat = x.reshape(rows, x.shape[-1])
         bias = None if self.bias is None else self.bias.detach()
-        if compiling:  # the dispatcher op: the compiled graph calls the kernel whole
+        if torch.compiler.is_compiling():  # the dispatcher op: the compiled graph calls the kernel whole
             out = torch.ops.minipd_cpu.panel_linear(flat, self.panels, bias, self.out_features)
         else:  # the extension's own binding: the dispatcher's Python path costs more than a small call
             out = self._multiply(flat, self.panels, bias, self.out_features)
@@ -292,5 +300,5 @@ def unpack_linears(model: nn.Module) -> int:
 
 
 __all__ = ["PANEL_DTYPES", "SMALL_ROWS", "TRACED_SUM_ROWS", "TRACED_SUM_ROWS_UNCACHED", "PackedLinear",
-           "PanelLinear", "narrow_matmul_rows", "onednn_available", "pack_linears", "pack_panel_linears",
-           "panel_kernels", "rows_linear", "traced_sum_rows", "unpack_linears"]
+           "PanelLinear", "narrow_matmul_rows", "onednn_available", "onednn_multiply", "onednn_pack", "pack_linears",
+           "pack_panel_linears", "panel_kernels", "rows_linear", "traced_sum_rows", "unpack_linears"]

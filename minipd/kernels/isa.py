@@ -30,10 +30,10 @@ ISAS = ("native", "avx2", "portable")
 
 @functools.cache
 def _cpuinfo() -> tuple[str | None, frozenset[str], dict[str, str]]:
-    """The first CPU's model name, feature flags and identity fields (vendor, family, model, stepping) as Linux
-    reports them (``/proc/cpuinfo``), read once."""
+    """The first CPU's model name, feature flags and x86 family and model numbers as Linux reports them
+    (``/proc/cpuinfo``), read once."""
     name, flags, identity = None, None, {}
-    wanted = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping"}
+    wanted = {"cpu family": "family", "model": "model"}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
