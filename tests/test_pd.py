@@ -366,3 +366,21 @@ def test_a_transfer_report_that_comes_after_the_last_token_still_lands_in_the_me
                 assert o.metrics.kv_transfer_bytes == -(-len(o.prompt_token_ids) // 16) * per_block, o.request_id
                 assert o.metrics.kv_timeline is not None and o.metrics.kv_timeline.transfer is not None
             wait_until_blocks_free(pd)
+        # An abort while decode tokens wait for that report ends the request with what it was handed: the
+        # kept tokens are dropped (a client that hung up is sent nothing more), and every block comes back.
+        rid = pd.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        deltas = pd.engine.watch(rid)
+        deadline = time.monotonic() + 20
+        while not (pd.core._flights[rid].parked or time.monotonic() > deadline):
+            pd.step(timeout=0.01)
+        assert pd.core._flights[rid].parked, "no decode token was kept back for the late report"
+        handed = [d.token_id for d in deltas if d.token_id is not None]
+        assert pd.abort(rid)
+        while pd.has_unfinished_requests() and time.monotonic() < deadline:
+            pd.step(timeout=0.01)
+        after = [d for d in deltas if d.token_id is not None][len(handed):]
+        assert after == [] and deltas[-1].finish_reason == "abort", (handed, list(deltas))
+        time.sleep(0.4)  # the late report comes now: it must not bring the request back
+        pd.step(timeout=0.01)
+        assert not pd.has_unfinished_requests() and rid not in pd.engine.processor.states
+        wait_until_blocks_free(pd)

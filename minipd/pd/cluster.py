@@ -139,11 +139,10 @@ class ClusterCore:
                 if dest.alive and dest is not worker:
                     # Writes into its reservation may be under way: it is freed once they are over.
                     self._send_unless_dead(dest, m.ReleaseReservation(rid, flight.phase is not Phase.RESERVING))
-            # Tokens kept back for a transfer report are the request's all the same: they go first.
-            parked, flight.parked = (flight.parked[0] if flight.parked else []), None
-            outputs.extend(self._with_route(flight, out) for out in parked)
-            if not (parked and parked[-1].finished):
-                outputs.append(self._with_route(flight, EngineCoreOutput(rid, [], reason)))
+            # Tokens kept back for a transfer report are dropped: an abort ends the request with what it was
+            # handed, so a client that hung up is sent nothing more (vLLM's abort drops them too).
+            flight.parked = None
+            outputs.append(self._with_route(flight, EngineCoreOutput(rid, [], reason)))
         return outputs
 
     def step(self) -> EngineCoreOutputs:
