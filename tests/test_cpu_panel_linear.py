@@ -1,7 +1,8 @@
 """minipd's C++ panel linears (``linear_backend="cpu"``): the kernel against ``F.linear`` on every path it takes
-(register blocks of 1-6 rows, row chunks, short last panels, bias, strided input; fp32, bf16 and fp16 weights),
-compiled and eager, the greedy tokens of whole models, and how ``linear_backend="auto"`` picks it. Its AVX2 and
-portable (no AVX2) paths: this file run again against those builds (``tests/test_cpu_isa.py``)."""
+(register blocks of 1-6 rows, 1-12 in an AVX-512 build; row chunks, short last panels, bias, strided input; fp32,
+bf16 and fp16 weights), compiled and eager, the greedy tokens of whole models, and how ``linear_backend="auto"``
+picks it. Its AVX2 and portable (no AVX2) paths: this file run again against those builds
+(``tests/test_cpu_isa.py``)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def kernels():
     return need_cpu_kernel()
 
 
-# Rows: each register block size (1-6), several blocks, and more rows than one chunk holds (K=2000: 30 rows a
-# chunk), so every loop of the kernel runs; features: whole panels, a short last one, fewer than one.
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 97])
+# Rows: each register block size (1-6 with AVX2, 1-12 with AVX-512: 16 rows are two blocks of 8, 25 three), several
+# blocks, and more rows than one chunk holds (K=2000: 30 rows a chunk with AVX2, 24 with AVX-512), so every loop of
+# the kernel runs; features: whole panels, a short last one, fewer than one.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 25, 64, 97])
 @pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, bias):
@@ -40,10 +42,11 @@ def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-# bf16 and fp16 weights: up to three register blocks widen them as they load (1-18 rows), more rows share one
-# widened copy of each panel (19 rows: four blocks; 97 rows with K=2000: several chunks).
+# bf16 and fp16 weights: up to three register blocks widen them as they load (1-18 rows with AVX2, 1-36 with
+# AVX-512), more rows share one widened copy of each panel (AVX2: 19 rows, four blocks; AVX-512: 37 rows; 97 rows
+# with K=2000: several chunks).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 13, 18, 19, 97])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 12, 13, 18, 19, 37, 97])
 @pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
 def test_the_panel_kernel_takes_half_precision_weights(kernels, dtype, rows, in_features, out_features):
     torch.manual_seed(rows)

@@ -136,7 +136,8 @@ def measure_narrow_matmul_rows(dtypes: tuple[torch.dtype, ...] = (torch.float32,
     that made timing linears alone mislead for decode steps. (On the Zen 4 EPYC with AVX512-BF16: torch's bf16
     product took 0.86x the panels' time at 16 rows and 0.44–0.49x from 128; fp16's, without fp16 arithmetic,
     3.6–4.8x. On a Zen 5 EPYC, whose AVX-512 units are twice as wide: oneDNN's fp32 product 0.81x at 8 rows,
-    0.52x from 256, about 490 GFLOP/s on two cores against the panels' 250.)"""
+    0.52x from 256, about 490 GFLOP/s on two cores against the panels' 250 while their blocks were AVX2; with
+    AVX-512 blocks, 1.31x at 8 rows, 1.00x at 32, 0.91x at 64, 0.79x at 256.)"""
     import torch.nn.functional as F
 
     from minipd.kernels.cpu_linear import onednn_available, onednn_multiply, onednn_pack, panel_kernels

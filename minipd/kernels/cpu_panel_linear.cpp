@@ -1,12 +1,13 @@
 // Linear layers on the CPU with weights packed in panels of 16 output features (linear_backend="cpu").
 //
 // A panel holds 16 rows of W (16 output features) interleaved by input: panel[k][j] = W[16 p + j][k]. A
-// register block multiplies up to 6 input rows by one panel: per input k, two loads of the panel (16
-// floats), one broadcast per row, 12 fused multiply-adds into 12 accumulators. The weight is read once per
-// block of 6 rows, in order, so one decode row streams it at memory speed and a full block runs at the
-// FMA units' rate. Threads split the panels; rows are taken in chunks that stay in the L2 cache. While a panel's
-// blocks run, they prefetch the next panel into L2, a share each: with several blocks (a decode batch of 16 rows
-// is three), only the first would otherwise wait for memory, and the others would leave it idle.
+// register block multiplies up to 6 input rows by one panel (AVX2; 12 with AVX-512, where a line of a panel is one
+// register): per input k, two loads of the panel (16 floats), one broadcast per row, 12 fused multiply-adds into
+// 12 accumulators. The weight is read once per block of rows, in order, so one decode row streams it at memory
+// speed and a full block runs at the FMA units' rate. Threads split the panels; rows are taken in chunks that stay
+// in the L2 cache. While a panel's blocks run, they prefetch the next panel into L2, a share each: with several
+// blocks (a decode batch of 16 rows is three with AVX2), only the first would otherwise wait for memory, and the
+// others would leave it idle.
 //
 // Weights may also be kept as bf16 or fp16 (a model loaded in that dtype): half the bytes to stream, which is
 // what bounds a decode step. They are widened to fp32 as they are loaded and everything else is fp32 (inputs,
@@ -35,8 +36,12 @@
 // Named, not anonymous: this file is compiled in one unit with the attention kernels.
 namespace minipd_panels {
 
-constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 registers of fp32
+constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 registers of fp32, or one AVX-512 register
+#if defined(__AVX512F__)
+constexpr int64_t kBlockRows = 12;  // input rows per register block: 12 accumulators of the 32 registers
+#else
 constexpr int64_t kBlockRows = 6;  // input rows per register block: 12 accumulators of the 16 registers
+#endif
 constexpr int64_t kChunkBytes = 256 << 10;  // input rows taken together: what half an L2 cache holds
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -140,11 +145,85 @@ inline void row(const float* x, const W* panel, int64_t K, float* out, int64_t c
 }
 #endif
 
+#if defined(__AVX512F__)
+// AVX-512: a line of a panel is one register, so a row costs one broadcast and one fused multiply-add per input,
+// half the instructions of two AVX2 halves. Blocks go up to 12 rows: enough independent sums to keep two 512-bit
+// FMA units busy (Zen 5: 64 flops a cycle a core, twice what the AVX2 blocks reached there). Each row's sum runs
+// over k in the same order as in the AVX2 blocks, so results do not depend on the build.
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 widen16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_row16(__m512 v, float* out, int64_t cols, const float* bias) {
+  const __mmask16 mask = cols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(out, mask, v);
+}
+
+// R input rows (2-12) times one panel; named accumulators, as in block() above.
+template <int R, typename W>
+inline void block16(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
+                    int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+         a9 = a0, a10 = a0, a11 = a0;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = widen16(panel + k * kPanel);
+    if (k < ahead_lines) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
+#define MINIPD_ROW16(i) \
+    if constexpr (R > i) a##i = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, a##i);
+    MINIPD_ROW16(0) MINIPD_ROW16(1) MINIPD_ROW16(2) MINIPD_ROW16(3) MINIPD_ROW16(4) MINIPD_ROW16(5)
+    MINIPD_ROW16(6) MINIPD_ROW16(7) MINIPD_ROW16(8) MINIPD_ROW16(9) MINIPD_ROW16(10) MINIPD_ROW16(11)
+#undef MINIPD_ROW16
+  }
+#define MINIPD_STORE16(i) \
+  if constexpr (R > i) store_row16(a##i, out + i * ldo, cols, bias);
+  MINIPD_STORE16(0) MINIPD_STORE16(1) MINIPD_STORE16(2) MINIPD_STORE16(3) MINIPD_STORE16(4) MINIPD_STORE16(5)
+  MINIPD_STORE16(6) MINIPD_STORE16(7) MINIPD_STORE16(8) MINIPD_STORE16(9) MINIPD_STORE16(10) MINIPD_STORE16(11)
+#undef MINIPD_STORE16
+}
+
+// One input row: two chains (even and odd inputs), as in row() above.
+template <typename W>
+inline void row16(const float* x, const W* panel, int64_t K, float* out, int64_t cols, const float* bias,
+                  const W* ahead, int64_t ahead_lines) {
+  for (int64_t k = 0; k < ahead_lines; ++k)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
+  __m512 a = _mm512_setzero_ps(), b = a;
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    a = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), widen16(panel + k * kPanel), a);
+    b = _mm512_fmadd_ps(_mm512_set1_ps(x[k + 1]), widen16(panel + (k + 1) * kPanel), b);
+  }
+  if (k < K) a = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), widen16(panel + k * kPanel), a);
+  store_row16(_mm512_add_ps(a, b), out, cols, bias);
+}
+#endif
+
 // Rows [0, rows) (at most kBlockRows) of x times one panel, into out (row stride ldo).
 template <typename W>
 void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const W* panel, int64_t K, float* out,
                       int64_t ldo, int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+  switch (rows) {
+    case 1: return row16(x, panel, K, out, cols, bias, ahead, ahead_lines);
+    case 2: return block16<2>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 3: return block16<3>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 4: return block16<4>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 5: return block16<5>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 6: return block16<6>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 7: return block16<7>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 8: return block16<8>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 9: return block16<9>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 10: return block16<10>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 11: return block16<11>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    default: return block16<12>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
   switch (rows) {
     case 1: return row(x, panel, K, out, cols, bias, ahead, ahead_lines);
     case 2: return block<2>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
@@ -238,9 +317,10 @@ void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t
         // linears, where a widened copy took 1.16x); more share one widened copy.
         const bool widen = kNarrow && blocks > 3;
         if (widen) minipd_panels::widen_panel(panel, K, wide.data());
-        for (int64_t r = r0, b = 0; r < r1; r += kBlockRows, ++b) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          // Blocks of even size (16 rows: 8 + 8, not 12 + 4): a short block has too few sums to fill the FMA units.
+          const int64_t r = r0 + b * (r1 - r0) / blocks, rows = r0 + (b + 1) * (r1 - r0) / blocks - r;
           const int64_t first = b * K / blocks, lines = next < 0 ? 0 : (b + 1) * K / blocks - first;
-          const int64_t rows = std::min(kBlockRows, r1 - r);
           float* out = op + r * N + p * kPanel;
           const float* bias = bp ? bp + p * kPanel : nullptr;
           const W* ahead = pp + (next < 0 ? 0 : next * K + first) * kPanel;
