@@ -53,8 +53,9 @@ def test_bucket_sizes():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(3) == [1, 2, 3]
     assert bucket_sizes(8) == [1, 2, 4, 8]
-    assert bucket_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
-    assert bucket_sizes(128)[-3:] == [112, 120, 128] and len(bucket_sizes(128)) == 19
+    assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+    assert bucket_sizes(30) == [1, 2, 4, 8, 12, 16, 24, 30]
+    assert bucket_sizes(128)[-3:] == [112, 120, 128] and len(bucket_sizes(128)) == 20
 
 
 def _tokens(llm: LLM, params) -> list[list[int]]:

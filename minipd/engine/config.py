@@ -68,7 +68,7 @@ class EngineConfig:
         long_lived: this engine serves for long (``python -m minipd serve`` and the bench set it): what
             ``compile_decode="auto"`` reads; on a CPU its programs also get a C++ wrapper (a faster step for
             a longer compile).
-        compile_batch_sizes: the batch buckets (None: 1, 2, 4, then multiples of 8 up to ``max_num_seqs``);
+        compile_batch_sizes: the batch buckets (None: 1, 2, 4, 8, 12, then multiples of 8 up to ``max_num_seqs``);
             a decode step of more sequences than the largest runs eagerly.
         moe_backend: how a mixture-of-experts model runs its experts: ``"loop"`` (one matmul pair per
             expert, the reference), ``"grouped_mm"`` (rows sorted by expert, ``torch._grouped_mm``),
