@@ -23,10 +23,10 @@ def kernels():
     return need_cpu_kernel()
 
 
-# Rows: each register block size (1-6 with AVX2, 1-12 with AVX-512: 16 rows are two blocks of 8, 25 three), several
-# blocks, and more rows than one chunk holds (K=2000: 30 rows a chunk with AVX2, 24 with AVX-512), so every loop of
-# the kernel runs; features: whole panels, a short last one, fewer than one.
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 25, 64, 97])
+# Rows: each register block size (1-6 with AVX2; 1-16 with AVX-512, where up to 16 rows are one block, 17 two of 8
+# and 9, 25 three), several blocks, and more rows than one chunk holds (K=2000: 30 rows a chunk with AVX2, 24 with
+# AVX-512), so every loop of the kernel runs; features: whole panels, a short last one, fewer than one.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 14, 15, 16, 17, 25, 64, 97])
 @pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, bias):
@@ -46,7 +46,7 @@ def test_the_panel_kernel_is_f_linear(kernels, rows, in_features, out_features, 
 # AVX-512), more rows share one widened copy of each panel (AVX2: 19 rows, four blocks; AVX-512: 37 rows; 97 rows
 # with K=2000: several chunks).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 12, 13, 18, 19, 37, 97])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 12, 13, 15, 16, 18, 19, 37, 97])
 @pytest.mark.parametrize("in_features, out_features", [(64, 48), (2000, 40), (33, 5)])
 def test_the_panel_kernel_takes_half_precision_weights(kernels, dtype, rows, in_features, out_features):
     torch.manual_seed(rows)

@@ -2,7 +2,7 @@
 //
 // A panel holds 16 rows of W (16 output features) interleaved by input: panel[k][j] = W[16 p + j][k]. A
 // register block multiplies up to 6 input rows by one panel (AVX2; 12 with AVX-512, where a line of a panel is one
-// register): per input k, two loads of the panel (16 floats), one broadcast per row, 12 fused multiply-adds into
+// register, or 16 when they are the whole batch): per input k, two loads of the panel (16 floats), one broadcast per row, 12 fused multiply-adds into
 // 12 accumulators. The weight is read once per block of rows, in order, so one decode row streams it at memory
 // speed and a full block runs at the FMA units' rate. Threads split the panels; rows are taken in chunks that stay
 // in the L2 cache. While a panel's blocks run, they prefetch the next panel into L2, a share each: with several
@@ -39,8 +39,14 @@ namespace minipd_panels {
 constexpr int64_t kPanel = 16;  // output features per panel: two AVX2 registers of fp32, or one AVX-512 register
 #if defined(__AVX512F__)
 constexpr int64_t kBlockRows = 12;  // input rows per register block: 12 accumulators of the 32 registers
+// A batch of up to 16 rows is one block (16 accumulators): the panel is read once, as the memory delivers it. Split
+// in two (8 + 8), the second block ran from L2 while the memory idled; 16 rows of the 50M model's linears took 1.12x
+// the one block's time on a Zen 5 (13 rows 1.24x). Beyond one block, blocks of 16 were slower than of 12 (32 rows
+// 1.19x: 17 loads to 16 FMAs a step).
+constexpr int64_t kSingleBlockRows = 16;
 #else
 constexpr int64_t kBlockRows = 6;  // input rows per register block: 12 accumulators of the 16 registers
+constexpr int64_t kSingleBlockRows = 6;
 #endif
 constexpr int64_t kChunkBytes = 256 << 10;  // input rows taken together: what half an L2 cache holds
 
@@ -147,7 +153,7 @@ inline void row(const float* x, const W* panel, int64_t K, float* out, int64_t c
 
 #if defined(__AVX512F__)
 // AVX-512: a line of a panel is one register, so a row costs one broadcast and one fused multiply-add per input,
-// half the instructions of two AVX2 halves. Blocks go up to 12 rows: enough independent sums to keep two 512-bit
+// half the instructions of two AVX2 halves. Blocks go up to 12 rows (16 for a batch of one block): enough independent sums to keep two 512-bit
 // FMA units busy (Zen 5: 64 flops a cycle a core, twice what the AVX2 blocks reached there). Each row's sum runs
 // over k in the same order as in the AVX2 blocks, so results do not depend on the build.
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
@@ -165,12 +171,12 @@ inline void store_row16(__m512 v, float* out, int64_t cols, const float* bias) {
   _mm512_mask_storeu_ps(out, mask, v);
 }
 
-// R input rows (2-12) times one panel; named accumulators, as in block() above.
+// R input rows (2-16) times one panel; named accumulators, as in block() above.
 template <int R, typename W>
 inline void block16(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
                     int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
-         a9 = a0, a10 = a0, a11 = a0;
+         a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
   for (int64_t k = 0; k < K; ++k) {
     const __m512 w = widen16(panel + k * kPanel);
     if (k < ahead_lines) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
@@ -178,12 +184,14 @@ inline void block16(const float* x, int64_t ldx, const W* panel, int64_t K, floa
     if constexpr (R > i) a##i = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w, a##i);
     MINIPD_ROW16(0) MINIPD_ROW16(1) MINIPD_ROW16(2) MINIPD_ROW16(3) MINIPD_ROW16(4) MINIPD_ROW16(5)
     MINIPD_ROW16(6) MINIPD_ROW16(7) MINIPD_ROW16(8) MINIPD_ROW16(9) MINIPD_ROW16(10) MINIPD_ROW16(11)
+    MINIPD_ROW16(12) MINIPD_ROW16(13) MINIPD_ROW16(14) MINIPD_ROW16(15)
 #undef MINIPD_ROW16
   }
 #define MINIPD_STORE16(i) \
   if constexpr (R > i) store_row16(a##i, out + i * ldo, cols, bias);
   MINIPD_STORE16(0) MINIPD_STORE16(1) MINIPD_STORE16(2) MINIPD_STORE16(3) MINIPD_STORE16(4) MINIPD_STORE16(5)
   MINIPD_STORE16(6) MINIPD_STORE16(7) MINIPD_STORE16(8) MINIPD_STORE16(9) MINIPD_STORE16(10) MINIPD_STORE16(11)
+  MINIPD_STORE16(12) MINIPD_STORE16(13) MINIPD_STORE16(14) MINIPD_STORE16(15)
 #undef MINIPD_STORE16
 }
 
@@ -204,7 +212,7 @@ inline void row16(const float* x, const W* panel, int64_t K, float* out, int64_t
 }
 #endif
 
-// Rows [0, rows) (at most kBlockRows) of x times one panel, into out (row stride ldo).
+// Rows [0, rows) (at most kSingleBlockRows) of x times one panel, into out (row stride ldo).
 template <typename W>
 void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const W* panel, int64_t K, float* out,
                       int64_t ldo, int64_t cols, const float* bias, const W* ahead, int64_t ahead_lines) {
@@ -221,7 +229,11 @@ void rows_times_panel(const float* x, int64_t ldx, int64_t rows, const W* panel,
     case 9: return block16<9>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
     case 10: return block16<10>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
     case 11: return block16<11>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
-    default: return block16<12>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 12: return block16<12>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 13: return block16<13>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 14: return block16<14>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    case 15: return block16<15>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
+    default: return block16<16>(x, ldx, panel, K, out, ldo, cols, bias, ahead, ahead_lines);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   switch (rows) {
@@ -278,6 +290,7 @@ std::string compiled_isa() {
 }
 
 using minipd_panels::kBlockRows;
+using minipd_panels::kSingleBlockRows;
 using minipd_panels::kChunkBytes;
 using minipd_panels::kPanel;
 
@@ -299,7 +312,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 template <typename W>
 void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, const float* bp, float* op,
                      int64_t N) {
-  const int64_t chunk = std::max<int64_t>(kBlockRows, kChunkBytes / (4 * std::max<int64_t>(K, 1)) / kBlockRows *
+  const int64_t chunk = std::max<int64_t>(kSingleBlockRows, kChunkBytes / (4 * std::max<int64_t>(K, 1)) / kBlockRows *
                                                           kBlockRows);
   constexpr bool kNarrow = !std::is_same_v<W, float>;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
@@ -311,7 +324,7 @@ void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t
         // The panel this thread takes next: p + 1, or its first one again for the next chunk of rows. (One or two
         // rows stream the weight at memory speed anyway: prefetching it as well was 5% slower for two.)
         const int64_t next = r1 - r0 <= 2 ? -1 : p + 1 < end ? p + 1 : (r1 < M ? begin : -1);
-        const int64_t blocks = (r1 - r0 + kBlockRows - 1) / kBlockRows;
+        const int64_t blocks = r1 - r0 <= kSingleBlockRows ? 1 : (r1 - r0 + kBlockRows - 1) / kBlockRows;
         const W* panel = pp + p * K * kPanel;
         // Up to three blocks widen the weights as they load them (16 rows: 0.88x fp32's time on a 50M model's
         // linears, where a widened copy took 1.16x); more share one widened copy.
