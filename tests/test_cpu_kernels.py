@@ -144,7 +144,9 @@ def _poison_new_slots(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, le
         cache.view(-1, *cache.shape[2:])[slots] = float("nan")
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64)])
+# Query heads per KV head 4, 1, 8, 5 and 7 (a kernel takes up to 4 at once with AVX2, up to 8 with AVX-512), and a
+# head size that is no multiple of 16 (40: AVX-512 registers for 32 entries, AVX2 for the rest).
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (4, 4, 16), (8, 1, 64), (10, 2, 64), (14, 2, 40)])
 @pytest.mark.parametrize("window", [None, 1, 7, 40])
 def test_decode_with_the_new_token_apart_matches_the_reference_on_a_stored_pool(heads, kv_heads, dim, window):
     need_cpu_kernel()

@@ -256,6 +256,18 @@ inline float hmax8(__m256 x) {
 template <int G>
 inline void decode_pv(const float* p, float* acc, int64_t dim, const float* const* v, int64_t n) {
   int64_t d = 0;
+#ifdef __AVX512F__
+  // A slice of 16 entries is one register: half the loads and FMAs of two AVX2 halves.
+  for (; d + 16 <= dim; d += 16) {
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_loadu_ps(acc + g * dim + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 v0 = _mm512_loadu_ps(v[t] + d);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * kDecodeChunk + t]), v0, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * dim + d, a[g]);
+  }
+#endif
   for (; d + 16 <= dim; d += 16) {
     __m256 a0[G], a1[G];
     for (int g = 0; g < G; ++g) {
@@ -300,6 +312,21 @@ inline void decode_chunk(const float* qs, int64_t group, int64_t dim, const floa
     float* sg = scores + g * kDecodeChunk;
     for (int64_t t0 = 0; t0 < padded; t0 += 8) {
       __m256 a[8];
+#ifdef __AVX512F__
+      if (dim % 16 == 0) {  // 16 entries a product (half the FMAs), each sum folded to eight lanes for hsum8
+        __m512 w[8];
+        for (int i = 0; i < 8; ++i) w[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(qg + d);
+          for (int i = 0; i < 8; ++i) w[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[t0 + i] + d), w[i]);
+        }
+        for (int i = 0; i < 8; ++i)
+          a[i] = _mm256_add_ps(_mm512_castps512_ps256(w[i]),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[i]), 1)));
+        _mm256_storeu_ps(sg + t0, hsum8(a));
+        continue;
+      }
+#endif
       for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
       for (int64_t d = 0; d < dim; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
@@ -332,12 +359,25 @@ inline void decode_chunk(const float* qs, int64_t group, int64_t dim, const floa
     l[g] += _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
     m[g] = m_new;
   }
-  for (int64_t g = 0; g < group; g += 4) {
-    switch (std::min<int64_t>(4, group - g)) {
+#ifdef __AVX512F__
+  constexpr int64_t kHeadsAtOnce = 8;  // a slice's accumulators, one register each
+#else
+  constexpr int64_t kHeadsAtOnce = 4;  // two registers each
+#endif
+  for (int64_t g = 0; g < group; g += kHeadsAtOnce) {
+    switch (std::min<int64_t>(kHeadsAtOnce, group - g)) {
       case 1: decode_pv<1>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
       case 2: decode_pv<2>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
       case 3: decode_pv<3>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+#ifdef __AVX512F__
+      case 4: decode_pv<4>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      case 5: decode_pv<5>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      case 6: decode_pv<6>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      case 7: decode_pv<7>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n); break;
+      default: decode_pv<8>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n);
+#else
       default: decode_pv<4>(scores + g * kDecodeChunk, acc + g * dim, dim, v, n);
+#endif
     }
   }
 }
