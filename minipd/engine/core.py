@@ -27,6 +27,7 @@ import torch
 
 from minipd.engine.config import EngineConfig
 from minipd.engine.eviction import Evictor
+from minipd.engine.host_memory import keep_freed_memory
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
 from minipd.engine.request import Request, RequestStatus
@@ -74,6 +75,9 @@ class EngineCore(StepCore):
         self.kernels = get_backend(config.kernel_backend, self.device)
         #: The model's mixture-of-experts layers, set to the config's backend and settings.
         self.moe_layers = set_moe_layers(model, config)
+        #: How the process's C library treats freed memory (CPU engines: kept for the next step, see
+        #: :mod:`minipd.engine.host_memory`); None on other devices.
+        self.host_memory = keep_freed_memory() if self.device.type == "cpu" else None
         #: Threads a big CPU step gets under ``cpu_threads="auto"`` (torch's count when the engine was built).
         self.default_threads = torch.get_num_threads()
         #: The per-step thread count, held across the steps of a run and given back when it ends.
@@ -230,6 +234,8 @@ class EngineCore(StepCore):
                 "scheduling_policy": self.scheduler.policy.name, "cpu_threads": self.config.cpu_threads}
         if self.device.type == "cpu" and self.config.cpu_threads == "auto":
             info["one_thread_up_to_tokens"] = self.small_step_tokens
+        if self.host_memory is not None:
+            info["host_memory"] = self.host_memory
         if self.moe_layers:
             info["moe_backend"] = self.config.moe_backend
         if self.press is not None:
