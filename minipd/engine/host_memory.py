@@ -2,13 +2,14 @@
 
 A CPU step allocates its activations afresh: a 1,162-token prefill of the ~50M model writes about 270 MB of
 outputs from its linear layers alone. glibc's ``malloc`` serves blocks from 128 KB up with ``mmap`` until a
-free raises that threshold, and it gives the top of its heap back to the kernel (``trim``) once more than twice
-the threshold lies free there. Which of the two happens depends on the order of a process's earlier allocations,
-so the same engine ran its prefill either with about 1,400 page faults or with about 40,000 (each a fresh page
-the kernel zeroes): 0.25 s or 0.30 s on a 2-core Zen 5, from one process to the next. vLLM's and Intel's CPU
-guides preload tcmalloc or jemalloc for this; :func:`keep_freed_memory` asks glibc itself, with ``mallopt``, to
-serve blocks below 32 MiB from its heap and to keep up to 1 GiB free there. What the process keeps is memory it
-used before (its heap's high-water mark), not more.
+free raises that threshold, and gives the top of its heap back to the kernel (``trim``) once more than twice the
+threshold lies free there; how often a step's blocks come back as fresh pages (each one faulted in and zeroed by
+the kernel) depends on the order of the process's earlier allocations. On a 2-core Zen 5 the same engine's prefill
+page-faulted 25,000-53,000 pages a run in some processes (0.28-0.31 s) and about 1,400 in others (0.25 s); with
+the memory kept, none after the first run (0.24 s), with or without a pause between runs. vLLM's CPU guide and
+PyTorch's tuning guide preload tcmalloc or jemalloc for this; :func:`keep_freed_memory` asks glibc itself, with
+``mallopt``, to serve blocks below 32 MiB from its heap and to keep up to 1 GiB free there. What the process
+keeps is memory it used before (its heap's high-water mark), not more.
 
 It is process-wide and applied once, when the first CPU engine is built. ``MINIPD_KEEP_FREED_MEMORY=0`` leaves
 the allocator as it is; other C libraries (macOS, musl) are left alone, and the engine's ``describe()`` says so.
