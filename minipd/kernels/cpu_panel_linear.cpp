@@ -2,8 +2,8 @@
 //
 // A panel holds 16 rows of W (16 output features) interleaved by input: panel[k][j] = W[16 p + j][k]. A
 // register block multiplies up to 6 input rows by one panel (AVX2; 12 with AVX-512, where a line of a panel is one
-// register, or 16 when they are the whole batch): per input k, two loads of the panel (16 floats), one broadcast per row, 12 fused multiply-adds into
-// 12 accumulators. The weight is read once per block of rows, in order, so one decode row streams it at memory
+// register, or 16 when they are the whole batch): per input k, two loads of the panel (16 floats), one broadcast
+// per row, 12 fused multiply-adds into 12 accumulators. The weight is read once per block of rows, in order, so one decode row streams it at memory
 // speed and a full block runs at the FMA units' rate. Threads split the panels; rows are taken in chunks that stay
 // in the L2 cache. While a panel's blocks run, they prefetch the next panel into L2, a share each: with several
 // blocks (a decode batch of 16 rows is three with AVX2), only the first would otherwise wait for memory, and the
@@ -331,7 +331,7 @@ void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t
         const bool widen = kNarrow && blocks > 3;
         if (widen) minipd_panels::widen_panel(panel, K, wide.data());
         for (int64_t b = 0; b < blocks; ++b) {
-          // Blocks of even size (16 rows: 8 + 8, not 12 + 4): a short block has too few sums to fill the FMA units.
+          // Blocks of even size (17 rows: 8 + 9, not 12 + 5): a short block has too few sums to fill the FMA units.
           const int64_t r = r0 + b * (r1 - r0) / blocks, rows = r0 + (b + 1) * (r1 - r0) / blocks - r;
           const int64_t first = b * K / blocks, lines = next < 0 ? 0 : (b + 1) * K / blocks - first;
           float* out = op + r * N + p * kPanel;
