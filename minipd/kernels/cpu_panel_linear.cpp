@@ -3,11 +3,11 @@
 // A panel holds 16 rows of W (16 output features) interleaved by input: panel[k][j] = W[16 p + j][k]. A
 // register block multiplies up to 6 input rows by one panel (AVX2; 12 with AVX-512, where a line of a panel is one
 // register, or 16 when they are the whole batch): per input k, two loads of the panel (16 floats), one broadcast
-// per row, 12 fused multiply-adds into 12 accumulators. The weight is read once per block of rows, in order, so one decode row streams it at memory
-// speed and a full block runs at the FMA units' rate. Threads split the panels; rows are taken in chunks that stay
-// in the L2 cache. While a panel's blocks run, they prefetch the next panel into L2, a share each: with several
-// blocks (a decode batch of 16 rows is three with AVX2), only the first would otherwise wait for memory, and the
-// others would leave it idle.
+// per row, 12 fused multiply-adds into 12 accumulators. The weight is read once per block of rows, in order, so
+// one decode row streams it at memory speed and a full block runs at the FMA units' rate. Threads split the
+// panels; rows are taken in chunks that stay in the L2 cache. While a panel's blocks run, they prefetch the next
+// panel into L2, a share each: with several blocks (a decode batch of 16 rows is three with AVX2), only the first
+// would otherwise wait for memory, and the others would leave it idle.
 //
 // Weights may also be kept as bf16 or fp16 (a model loaded in that dtype): half the bytes to stream, which is
 // what bounds a decode step. They are widened to fp32 as they are loaded and everything else is fp32 (inputs,
@@ -153,9 +153,10 @@ inline void row(const float* x, const W* panel, int64_t K, float* out, int64_t c
 
 #if defined(__AVX512F__)
 // AVX-512: a line of a panel is one register, so a row costs one broadcast and one fused multiply-add per input,
-// half the instructions of two AVX2 halves. Blocks go up to 12 rows (16 for a batch of one block): enough independent sums to keep two 512-bit
-// FMA units busy (Zen 5: 64 flops a cycle a core, twice what the AVX2 blocks reached there). Each row's sum runs
-// over k in the same order as in the AVX2 blocks, so results do not depend on the build.
+// half the instructions of two AVX2 halves. Blocks go up to 12 rows (16 for a batch of one block): enough
+// independent sums to keep two 512-bit FMA units busy (Zen 5: 64 flops a cycle a core, twice what the AVX2 blocks
+// reached there). Each row's sum runs over k in the same order as in the AVX2 blocks, so results do not depend on
+// the build.
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(
@@ -312,8 +313,8 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 template <typename W>
 void multiply_panels(const float* xp, int64_t M, int64_t K, const W* pp, int64_t P, const float* bp, float* op,
                      int64_t N) {
-  const int64_t chunk = std::max<int64_t>(kSingleBlockRows, kChunkBytes / (4 * std::max<int64_t>(K, 1)) / kBlockRows *
-                                                          kBlockRows);
+  const int64_t chunk = std::max<int64_t>(
+      kSingleBlockRows, kChunkBytes / (4 * std::max<int64_t>(K, 1)) / kBlockRows * kBlockRows);
   constexpr bool kNarrow = !std::is_same_v<W, float>;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(kNarrow ? K * kPanel : 0);  // a narrow panel widened, for chunks of several blocks
