@@ -172,8 +172,10 @@ def test_the_engine_runs_the_fused_kernels_with_the_cpu_backend_and_the_tokens_s
     assert kernel_calls == []
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     # int8 weights multiply bf16 activations: an input one fp32 rounding apart can land on the other side of a
-    # bf16 step (0.4%), and six layers carry it on; the tokens must still be the same.
-    tolerance = 1e-4 if weights == "float32" else 0.05
+    # bf16 step (0.4%), and six layers carry it on; the tokens must still be the same. Where such flips land moves
+    # with any change of rounding elsewhere: these prompts had 5 such differences of 0.024-0.030 with the AVX2
+    # decode attention and 4 of 0.023-0.050 with the AVX-512 one (both equal to the reference within 1e-5).
+    tolerance = 1e-4 if weights == "float32" else 0.1
     for a, b in zip(got, want, strict=True):
         chosen = [(step[t], ref[t]) for step, ref, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True)]
         assert max(abs(x - y) for x, y in chosen) < tolerance
