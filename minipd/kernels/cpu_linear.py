@@ -200,9 +200,10 @@ class PanelLinear(_RepackedLinear):
     bf16 arithmetic in the CPU, or a core whose oneDNN kernels multiply wider than the panels').
 
     The kernel multiplies up to six rows by a panel in registers (twelve in an AVX-512 build, a panel's line
-    one register), reading the weight once per block of rows, in order: one decode row streams it at memory
-    speed, a batch runs at the FMA units' rate (on a Zen 5 EPYC, 2 threads: the AVX-512 blocks 412 GFLOP/s
-    against the AVX2 ones' 267; the 50M model's 41 linears at 16 rows 4.85 ms against 6.09 through oneDNN).
+    one register, or sixteen when they are the whole batch), reading the weight once per block of rows, in
+    order: one decode row streams it at memory speed, a batch runs at the FMA units' rate (on a Zen 5 EPYC, 2
+    threads: the AVX-512 blocks 412 GFLOP/s against the AVX2 ones' 267; the 50M model's 41 linears at 16 rows
+    4.85 ms as two blocks of 8 against 6.09 through oneDNN, and 4.64 ms against 5.21 once one block of 16).
     On the 2-core AVX2 EPYC, the 40 linears of a 50M-parameter model, 2 threads: 1 row 6.9 ms against oneDNN's
     9.8, 16 rows 13.8 against 19.2, 64 rows 41.6 against 51.1; and 175-195 GFLOP/s against oneDNN's 150-163 on
     prefill's 64-1,024 rows. ``weight`` and ``bias`` stay the original tensors (ties and state dicts unchanged);
