@@ -10,9 +10,11 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
 3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
    latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment (1P1D: the K/V pushed as the
    engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down on
-   the shared cores: ``minipd.sim.sharing``);
+   the shared cores: ``minipd.sim.sharing``); and once more with the step models at the speed the machine ran that
+   real run (one factor per engine or worker, ``minipd.sim.fitted.speed_factor``): a shared machine's speed drifts
+   by 10-20% over minutes, and this separates that drift from the simulator's own error;
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
-   simulator.
+   simulator (also at the speed of the first real search's runs).
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
@@ -44,7 +46,7 @@ from minipd.pd.llm import DisaggregatedLLM
 from minipd.serve.loadgen import Slo
 from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
-from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
+from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
@@ -101,10 +103,17 @@ def measure(engine, n: int, slo: Slo, label: str) -> dict:
 
     # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
     # moves by a few points from run to run, and the bisection's answer with it.
-    real_goodput, real_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results, slo, capacity)
+    searched: list[RealRun] = []  # (the first search's runs: how fast the machine was while it ran)
+
+    def searched_run(rate: float) -> list:
+        searched.append(run_engine(engine, workload(n, rate, 200)))
+        return searched[-1].results
+
+    real_goodput, real_tried = search(searched_run, slo, capacity)
     again_goodput, again_tried = search(lambda r: run_engine(engine, workload(n, r, 200)).results, slo, capacity)
     goodput = {"real": real_goodput, "repeat": again_goodput, "real_tried": real_tried, "repeat_tried": again_tried}
-    return {"capacity": capacity, "calibration": calibration, "measured": measured, "goodput": goodput}
+    return {"capacity": capacity, "calibration": calibration, "measured": measured, "goodput": goodput,
+            "searched": searched}
 
 
 def stored(report: dict, runs: dict) -> dict:
@@ -112,16 +121,18 @@ def stored(report: dict, runs: dict) -> dict:
     goodput = {k: report["goodput"][k] for k in ("real", "repeat", "real_tried", "repeat_tried")}
     return {"capacity": report["capacity"], "calibration": [RealRun.from_json(r) for r in runs["calibration"]],
             "measured": {float(f): tuple(RealRun.from_json(r) for r in pair) for f, pair in runs["measured"].items()},
-            "goodput": goodput}
+            "goodput": goodput, "searched": [RealRun.from_json(r) for r in runs.get("searched", [])]}
 
 
 def search(run_at, slo: Slo, capacity: float):
     return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
 
 
-def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
+def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -> dict:
     """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
-    beside, its table kept in each row under name."""
+    beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
+    models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
+    speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected")."""
     capacity = real["capacity"]
     models, errors = fit(real["calibration"])
     spec = make_spec(models)
@@ -140,6 +151,14 @@ def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
         rows.append({"fraction": fraction, "rate": rate, **table})
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
+        # The same models at the speed the machine ran this run (one factor per engine or worker): what is left
+        # of the error is the simulator's, not the shared machine's drift between calibration and this run.
+        at_speed, factors = rescale(models, [first])
+        corrected = compare(first.results, simulate(make_spec(at_speed), items), slo)
+        rows[-1]["speed_corrected"] = {"factors": factors, **{key: {"sim": row["sim"], "error": row["error"]}
+                                                               for key, row in corrected.items()}}
+        print(f"  at the run's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): " + ", ".join(
+            f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in corrected.items()), flush=True)
         if variant is not None:
             other = compare(first.results, simulate(variant_spec, items), slo)
             rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
@@ -149,8 +168,17 @@ def judge(real: dict, make_spec, fit, n: int, slo: Slo, variant=None) -> dict:
     goodput = {**real["goodput"], "sim": sim_goodput, "sim_tried": sim_tried}
     print(f"goodput real {goodput['real']:.2f}, real again {goodput['repeat']:.2f}, simulated {sim_goodput:.2f} req/s",
           flush=True)
+    if real["searched"]:  # (reports from before the search's runs were kept have none)
+        at_speed, factors = rescale(models, real["searched"])
+        corrected_spec = make_spec(at_speed)
+        goodput["sim_speed_corrected"], goodput["sim_speed_corrected_tried"] = search(
+            lambda r: simulate(corrected_spec, workload(n, r, 200)).results(), slo, capacity)
+        goodput["search_speed_factors"] = factors
+        print(f"  at the real search's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
+              f"simulated {goodput['sim_speed_corrected']:.2f} req/s", flush=True)
     runs = {"calibration": [run.to_json() for run in real["calibration"]],
-            "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()}}
+            "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()},
+            "searched": [run.to_json() for run in real["searched"]]}
     return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput, "runs": runs}
 
 
@@ -220,9 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
                        "model": model.describe()}
 
+    def rescale_colocated(model, runs):
+        factor = speed_factor(model, [x for run in runs for x in timed_steps(run.steps)])
+        return model.scaled(factor), {"engine": factor}
+
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
-                                     args.num_requests, slo))
+                                     rescale_colocated, args.num_requests, slo))
     # (Simulated again: the engine the runs were made with.)
     report["colocated"]["engine"] = repr(llm) if earlier is None else earlier["colocated"]["engine"]
     report["colocated"]["splits"] = splits
@@ -267,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             errors["control"] = {"dispatch_s": models["control"][0], "output_s": models["control"][1]}
             return models, errors
 
+        def rescale_pd(models, runs):
+            factors = {role: speed_factor(models[role], [x for run in runs for x in timed_steps(
+                [s for s in run.steps if s.worker.startswith(role)])]) for role in ("prefill", "decode")}
+            return {**models, **{role: models[role].scaled(f) for role, f in factors.items()}}, factors
+
         def pd_spec(models, shared_cores=False):
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
 
@@ -287,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"blocks": blocks, "kv_transfer": engines["kv_transfer"],
                     "instance": dataclasses.asdict(config), "kv_bytes_per_token": kv_per_token, "num_layers": layers}
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
-        report["1p1d"].update(judge(real, pd_spec, fit_pd, args.num_requests, slo,
+        report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
                                     variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True))))
         report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}

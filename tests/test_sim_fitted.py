@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minipd.engine.stats import StepWork
-from minipd.sim.fitted import FittedStepTime, _nonnegative_fit
+from minipd.sim.fitted import FittedStepTime, _nonnegative_fit, speed_factor
 
 
 def _is_optimal(x: np.ndarray, y: np.ndarray, c: np.ndarray, tol: float = 1e-7) -> bool:
@@ -60,3 +60,22 @@ def test_a_step_model_recovers_known_costs():
     model = FittedStepTime.fit(samples)
     assert model.coefficients[0] == pytest.approx(costs, rel=1e-6)
     assert model.mape(samples) < 1e-9
+
+
+def test_a_runs_speed_factor_rescales_the_model_to_that_run():
+    # A machine that ran one run 8% slower than the model was fitted: one factor finds it, and the model scaled
+    # by it predicts that run's steps as the original predicted the fitted ones.
+    model = FittedStepTime((4,), ((1e-3, 0.0, 0.0, 50e-6, 200e-9), (2e-3, 40e-6, 1e-9, 60e-6, 100e-9)))
+    works = [StepWork(decode_rows=r, decode_context=r * 100) for r in (1, 2, 3, 8, 16)]
+    works.append(StepWork(prefill_tokens=64, prefill_rows=1, prefill_pairs=64 * 65 // 2, decode_rows=3,
+                          decode_context=300))
+    slower = [(w, 1.08 * model.step_time(w)) for w in works]
+    factor = speed_factor(model, slower)
+    assert factor == pytest.approx(1.08)
+    assert model.scaled(factor).mape(slower) == pytest.approx(0.0, abs=1e-12)
+    assert model.mape(slower) == pytest.approx(0.08 / 1.08)
+    assert model.scaled(1.0) == model
+    with pytest.raises(ValueError, match="factor must be a positive number"):
+        model.scaled(0.0)
+    with pytest.raises(ValueError, match="no measured step"):
+        speed_factor(model, [(StepWork(), 1.0)])

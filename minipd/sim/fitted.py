@@ -129,6 +129,14 @@ class FittedStepTime:
         """Mean absolute percentage error on measured steps (a fraction: 0.05 is 5%)."""
         return float(np.abs(self.errors(samples)).mean())
 
+    def scaled(self, factor: float) -> FittedStepTime:
+        """The same model on a machine ``factor`` times slower (every cost times ``factor``), such as
+        :func:`speed_factor` measures for one run on a shared machine whose speed drifts."""
+        if not factor > 0:
+            raise ValueError(f"factor must be a positive number, got {factor!r}")
+        return FittedStepTime(self.splits, tuple(tuple(c * factor for c in row) for row in self.coefficients),
+                              self.source)
+
     def describe(self) -> str:
         parts = []
         bounds = (0, *self.splits, None)
@@ -152,6 +160,17 @@ def noise_floor(samples: Sequence[tuple[StepWork, float]]) -> float:
     return float(np.mean(errors)) if errors else 0.0
 
 
+def speed_factor(model: FittedStepTime, samples: Sequence[tuple[StepWork, float]]) -> float:
+    """How much slower the machine ran these measured steps than ``model`` predicts them: their measured seconds
+    over the predicted, summed (1.0: as fitted; 1.05: 5% slower). One number for a whole run, so that the shape of
+    the model (what each kind of step costs against another) stays as it was fitted elsewhere."""
+    kept = [(w, t) for w, t in samples if w.num_tokens > 0 and t > 0]
+    predicted = sum(model.step_time(w) for w, _ in kept)
+    if not kept or predicted <= 0:
+        raise ValueError("no measured step with work that the model gives a time to")
+    return sum(t for _, t in kept) / predicted
+
+
 def timed_steps(steps: Sequence[StepStats]) -> list[tuple[StepWork, float]]:
     """A run's steps (in order) as ``(work, seconds)``, timed as :func:`cycle_times` counts them."""
     steps = list(steps)
@@ -167,4 +186,4 @@ def held_out_split(samples: Sequence[tuple[StepWork, float]], every: int = 5
 
 
 __all__ = ["FEATURES", "FittedStepTime", "cycle_times", "features", "held_out_split", "noise_floor",
-           "timed_steps"]
+           "speed_factor", "timed_steps"]
