@@ -2,7 +2,8 @@
 
 On a shared machine one validation run is one sample: its noise floor, its goodputs and which loads come out
 within the targets move from run to run. This script boils each report down to those figures and writes them
-together (``assets/sim/cpu_validation_history.json``, the table chapter 05b prints):
+together (``assets/sim/cpu_validation_history.json`` and, for the runs simulated also at each run's own speed,
+``assets/sim/cpu_validation_at_speed.json``: the tables chapter 05b prints):
 
     python scripts/validation_history.py --out assets/sim/cpu_validation_history.json \\
         first.json second.json=15:30 ...
@@ -38,12 +39,22 @@ def summary(report: dict, label: str) -> dict:
         goodput = entry["goodput"]
         out[engine] = {
             "capacity": entry["capacity"],
-            "goodput": {k: goodput[k] for k in ("real", "repeat", "sim")},
-            "loads": {str(row["fraction"]): {"within_targets": within_targets(row),
-                                             "errors": {k: row[k]["error"] for k in TARGETS}}
-                      for row in entry["rows"]},
+            "goodput": {k: goodput[k] for k in ("real", "repeat", "sim", "sim_speed_corrected") if k in goodput},
+            "loads": {str(row["fraction"]): _load(row) for row in entry["rows"]},
         }
     return out
+
+
+def _load(row: dict) -> dict:
+    """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
+    alone moves them); and, in reports that have them, the same at the speed the machine ran the real run."""
+    load = {"within_targets": within_targets(row), "errors": {k: row[k]["error"] for k in TARGETS},
+            "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
+    if "speed_corrected" in row:
+        corrected = row["speed_corrected"]
+        load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],
+                            "errors": {k: corrected[k]["error"] for k in TARGETS}}
+    return load
 
 
 def main(argv: list[str] | None = None) -> int:

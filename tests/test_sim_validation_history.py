@@ -64,3 +64,24 @@ def test_the_history_names_each_run_or_refuses(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"machine": "x"}))
     with pytest.raises(SystemExit):
         history.main(["--out", str(tmp_path / "h.json"), str(tmp_path / "other.json") + "=a"])
+
+
+def test_the_history_keeps_the_verdicts_at_each_runs_own_speed_where_a_report_has_them(tmp_path):
+    report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    row = report["colocated"]["rows"][0]
+    # At the run's speed one figure comes out 25% off: the verdict there fails, the one without stays as it was.
+    row["speed_corrected"] = {"factors": {"engine": 1.04},
+                              **{k: {"sim": 1.0, "error": 0.25 if k == "p90_tpot_ms" else 0.0} for k in TARGETS}}
+    report["colocated"]["goodput"]["sim_speed_corrected"] = 42.0
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
+    run = json.loads((tmp_path / "h.json").read_text())["runs"][0]
+    load = run["colocated"]["loads"][str(row["fraction"])]
+    assert load["at_speed"] == {"within_targets": False, "factors": {"engine": 1.04},
+                                "errors": {k: 0.25 if k == "p90_tpot_ms" else 0.0 for k in TARGETS}}
+    assert load["within_targets"] == within_targets(row)
+    assert load["repeat_errors"] == {k: row[k]["repeat_error"] for k in TARGETS}
+    assert run["colocated"]["goodput"]["sim_speed_corrected"] == 42.0
+    assert "sim_speed_corrected" not in run["1p1d"]["goodput"]
+    assert all("at_speed" not in v for v in run["1p1d"]["loads"].values())
