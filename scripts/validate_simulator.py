@@ -34,6 +34,7 @@ import platform
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -128,6 +129,17 @@ def search(run_at, slo: Slo, capacity: float):
     return find_goodput(run_at, slo, start=0.5 * capacity, rel_tol=0.05, max_runs=8)
 
 
+def step_counts(per_worker: dict[str, int]) -> dict[str, int]:
+    """Steps per role (``prefill``, ``decode``, or ``engine`` for a colocated engine) from steps per worker or
+    simulated instance (``"prefill0"``; a real colocated engine's steps name none, a simulated one is
+    ``"colocated0"``)."""
+    counts: Counter[str] = Counter()
+    for name, count in per_worker.items():
+        role = name.rstrip("0123456789")
+        counts["engine" if role in ("", "colocated") else role] += count
+    return dict(counts)
+
+
 def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -> dict:
     """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
     beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
@@ -144,11 +156,17 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -
     for fraction, (first, again) in real["measured"].items():
         rate = fraction * capacity
         items = workload(n, rate, int(fraction * 100))
-        table = compare(first.results, simulate(spec, items), slo)
+        simulated = simulate(spec, items)
+        table = compare(first.results, simulated, slo)
         repeat = compare(first.results, again.results, slo)
         for key, row in table.items():
             row["repeat"], row["repeat_error"] = repeat[key]["sim"], repeat[key]["error"]
-        rows.append({"fraction": fraction, "rate": rate, **table})
+        # How many steps each engine or worker took: the same tokens in fewer, bigger prefill steps is a longer
+        # TTFT for every prompt in them.
+        steps = {"real": step_counts(Counter(s.worker for s in first.steps)),
+                 "repeat": step_counts(Counter(s.worker for s in again.steps)),
+                 "sim": step_counts({name: stats.steps for name, stats in simulated.instances.items()})}
+        rows.append({"fraction": fraction, "rate": rate, **table, "steps": steps})
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
         # The same models at the speed the machine ran this run (one factor per engine or worker): what is left

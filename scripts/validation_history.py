@@ -50,6 +50,8 @@ def _load(row: dict) -> dict:
     alone moves them); and, in reports that have them, the same at the speed the machine ran the real run."""
     load = {"within_targets": within_targets(row), "errors": {k: row[k]["error"] for k in TARGETS},
             "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
+    if "steps" in row:  # (steps per role: real, repeat, simulated)
+        load["steps"] = row["steps"]
     if "speed_corrected" in row:
         corrected = row["speed_corrected"]
         load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],
