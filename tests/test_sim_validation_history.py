@@ -72,6 +72,7 @@ def test_the_history_keeps_the_verdicts_at_each_runs_own_speed_where_a_report_ha
     # At the run's speed one figure comes out 25% off: the verdict there fails, the one without stays as it was.
     row["speed_corrected"] = {"factors": {"engine": 1.04},
                               **{k: {"sim": 1.0, "error": 0.25 if k == "p90_tpot_ms" else 0.0} for k in TARGETS}}
+    row["steps"] = {"real": {"engine": 90}, "repeat": {"engine": 88}, "sim": {"engine": 95}}
     report["colocated"]["goodput"]["sim_speed_corrected"] = 42.0
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
@@ -82,6 +83,7 @@ def test_the_history_keeps_the_verdicts_at_each_runs_own_speed_where_a_report_ha
                                 "errors": {k: 0.25 if k == "p90_tpot_ms" else 0.0 for k in TARGETS}}
     assert load["within_targets"] == within_targets(row)
     assert load["repeat_errors"] == {k: row[k]["repeat_error"] for k in TARGETS}
+    assert load["steps"] == row["steps"]
     assert run["colocated"]["goodput"]["sim_speed_corrected"] == 42.0
     assert "sim_speed_corrected" not in run["1p1d"]["goodput"]
-    assert all("at_speed" not in v for v in run["1p1d"]["loads"].values())
+    assert all("at_speed" not in v and "steps" not in v for v in run["1p1d"]["loads"].values())
