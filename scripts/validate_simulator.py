@@ -30,7 +30,6 @@ import dataclasses
 import gzip
 import json
 import os
-import platform
 import re
 import sys
 import time
@@ -43,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 
 from minipd import LLM
+from minipd.kernels.isa import cpu_identity, cpu_model
 from minipd.pd.llm import DisaggregatedLLM
 from minipd.serve.loadgen import Slo
 from minipd.serve.workload import synthetic_workload
@@ -58,13 +58,10 @@ CALIBRATION = (0.3, 0.6, 0.95)
 
 
 def cpu_label() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    """The CPU as the reports name it: its model name, its generation where Linux gives one (a virtual machine
+    may call a Zen 4 and a Zen 5 both "AMD EPYC") and the cores this script had."""
+    identity = cpu_identity()
+    return f"{cpu_model()}{f' ({identity})' if identity else ''}, {os.cpu_count()} cores"
 
 
 def source_version() -> str:
