@@ -555,6 +555,36 @@ def test_an_abort_asked_for_mid_step_lands_before_the_steps_tokens(monkeypatch, 
     assert_pool_is_whole(engine)
 
 
+def test_an_abort_asked_for_in_the_step_that_finishes_the_request_still_ends_it_as_aborted(monkeypatch, llm,
+                                                                                            code_ids):
+    # The step makes the request's last token, so the core lets go of it and its abort there ends nothing: the
+    # front end ends it all the same, that token not handed out (a disaggregated cluster can hand over several
+    # tokens at once there, kept back for a transfer report: a client that had hung up got them after its abort).
+    engine = fresh_engine(llm)
+    doomed = engine.make_request(code_ids[:12], greedy(4), request_id="doomed")
+    engine.add(doomed)
+    for _ in range(3):
+        engine.step()
+    tokens_before = list(doomed.token_ids)
+    assert len(tokens_before) == 3
+    core_step = engine.core.step
+
+    def last_step_asked_to_abort_midway():
+        outputs = core_step()
+        (last,) = [o for o in outputs.outputs if o.request_id == "doomed"]
+        assert last.new_token_ids and last.finish_reason is not None  # the core is done with it
+        engine.request_abort("doomed")
+        return outputs
+
+    monkeypatch.setattr(engine.core, "step", last_step_asked_to_abort_midway)
+    deltas = engine.step()
+    monkeypatch.undo()
+    assert doomed.token_ids == tokens_before and doomed.finish_reason == "abort"
+    assert [(d.token_id, d.finish_reason) for d in deltas if d.request_id == "doomed"] == [(None, "abort")]
+    assert "doomed" not in engine.processor.states and not engine.has_unfinished_requests()
+    assert_pool_is_whole(engine)
+
+
 # ----------------------------------------------------------------------------------- 8. threads
 def test_threads_share_one_llm(llm, code_ids):
     # Its own LLM front (engine and lock) over the loaded weights: a thread left hanging by a
