@@ -119,7 +119,13 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
             if ids[i] in aborted_at:
                 late = sum(t > aborted_at[ids[i]] for t in state.metrics.token_times)
                 most_late = max(most_late, late)
-                assert late <= 2, f"request {i} got {late} tokens after the server aborted it"
+                # (What a failure needs to be understood: when each token was taken in, from the abort.)
+                offsets = [round((t - aborted_at[ids[i]]) * 1e3, 2) for t in state.metrics.token_times]
+                route = {k: getattr(state.metrics, k, None) for k in ("prefill_worker", "decode_worker",
+                                                                     "kv_transfer_start", "kv_transfer_end")}
+                assert late <= 2, (f"request {i} got {late} tokens after the server aborted it: its tokens taken in "
+                                   f"at {offsets} ms from the abort, finished {state.finish_reason!r}, {route}, "
+                                   f"hung up at {(dropped_at[i] - aborted_at[ids[i]]) * 1e3:.2f} ms")
             after = sum(t > dropped_at[i] for t in state.metrics.token_times)
             taken_after.append(after)
             assert after <= 4, f"request {i} got {after} tokens after its client hung up"
