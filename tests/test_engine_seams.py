@@ -517,6 +517,32 @@ def test_abort_ends_a_stream_with_an_abort_delta(monkeypatch, llm, code_ids):
     assert_pool_is_whole(llm.engine)
 
 
+def _three_steps(engine, request) -> list[int]:
+    """Three steps of ``engine``; the three tokens ``request`` has then."""
+    for _ in range(3):
+        engine.step()
+    assert len(request.token_ids) == 3
+    return list(request.token_ids)
+
+
+def _step_with_an_abort_midway(monkeypatch, engine, request_id: str, check):
+    """One step of ``engine`` during which ``request_id``'s abort is asked for, as a server's event loop would
+    from its thread: after the core's step (whose outputs ``check`` sees first), before they are applied."""
+    core_step = engine.core.step
+
+    def step():
+        outputs = core_step()
+        check(outputs)
+        engine.request_abort(request_id)
+        return outputs
+
+    monkeypatch.setattr(engine.core, "step", step)
+    try:
+        return engine.step()
+    finally:
+        monkeypatch.undo()
+
+
 def test_an_abort_asked_for_mid_step_lands_before_the_steps_tokens(monkeypatch, llm, code_ids):
     # A server's event loop asks (request_abort) while the engine's thread is inside a step: the request must
     # not take that step's token, the other request must, and an abort asked for before a request with the
@@ -528,21 +554,12 @@ def test_an_abort_asked_for_mid_step_lands_before_the_steps_tokens(monkeypatch, 
     other = engine.make_request(other_prompt, greedy(6), request_id="other")
     engine.add(doomed)
     engine.add(other)
-    for _ in range(3):
-        engine.step()
-    tokens_before = list(doomed.token_ids)
-    assert len(tokens_before) == 3
-    core_step = engine.core.step
+    tokens_before = _three_steps(engine, doomed)
 
-    def step_asked_to_abort_midway():
-        outputs = core_step()
+    def check(outputs):
         assert any(o.request_id == "doomed" and o.new_token_ids for o in outputs.outputs)
-        engine.request_abort("doomed")  # as another thread would, while the core's outputs are not applied yet
-        return outputs
 
-    monkeypatch.setattr(engine.core, "step", step_asked_to_abort_midway)
-    deltas = engine.step()
-    monkeypatch.undo()
+    deltas = _step_with_an_abort_midway(monkeypatch, engine, "doomed", check)
     assert doomed.token_ids == tokens_before and doomed.finish_reason == "abort"
     assert [d.finish_reason for d in deltas if d.request_id == "doomed"] == ["abort"]
     assert [d.token_id is not None for d in deltas if d.request_id == "other"] == [True]
@@ -563,22 +580,13 @@ def test_an_abort_asked_for_in_the_step_that_finishes_the_request_still_ends_it_
     engine = fresh_engine(llm)
     doomed = engine.make_request(code_ids[:12], greedy(4), request_id="doomed")
     engine.add(doomed)
-    for _ in range(3):
-        engine.step()
-    tokens_before = list(doomed.token_ids)
-    assert len(tokens_before) == 3
-    core_step = engine.core.step
+    tokens_before = _three_steps(engine, doomed)
 
-    def last_step_asked_to_abort_midway():
-        outputs = core_step()
+    def check(outputs):
         (last,) = [o for o in outputs.outputs if o.request_id == "doomed"]
         assert last.new_token_ids and last.finish_reason is not None  # the core is done with it
-        engine.request_abort("doomed")
-        return outputs
 
-    monkeypatch.setattr(engine.core, "step", last_step_asked_to_abort_midway)
-    deltas = engine.step()
-    monkeypatch.undo()
+    deltas = _step_with_an_abort_midway(monkeypatch, engine, "doomed", check)
     assert doomed.token_ids == tokens_before and doomed.finish_reason == "abort"
     assert [(d.token_id, d.finish_reason) for d in deltas if d.request_id == "doomed"] == [(None, "abort")]
     assert "doomed" not in engine.processor.states and not engine.has_unfinished_requests()
