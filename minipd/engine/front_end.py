@@ -12,7 +12,6 @@ strings, logprobs), and tells the core to end a request a stop string ended.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import random
 import time
@@ -157,36 +156,30 @@ class FrontEnd:
         far behind its workers that thread runs. What it then does is :meth:`abort`'s (unknown ids are ignored)."""
         self._abort_requests.put(request_id)
 
-    def _take_abort_requests(self, outputs: EngineCoreOutputs | None = None
-                             ) -> tuple[list[StreamDelta], EngineCoreOutputs | None]:
-        """Apply the aborts :meth:`request_abort` asked for; their deltas, and ``outputs`` (a step's, not yet
-        handed out) with nothing more for those requests.
-
-        A request the step has just finished is no longer known to the core, so the core's abort ends nothing:
-        its last output is still in ``outputs``. It ends as aborted all the same, that output's tokens not handed
-        out (what a client that hung up would otherwise be sent after the abort: a disaggregated cluster can
-        hand over several tokens at once, kept back for a transfer report)."""
+    def _take_abort_requests(self) -> list[StreamDelta]:
+        """Apply the aborts :meth:`request_abort` asked for; their deltas."""
         ids: list[str] = []
         while not self._abort_requests.empty():  # (only this thread takes from it: get_nowait cannot fail)
             ids.append(self._abort_requests.get_nowait())
-        if not ids:
-            return [], outputs
-        deltas = self._abort_now(ids)
-        if outputs is not None:
-            aborted, kept, ended = set(ids), [], set()
-            for out in outputs.outputs:
-                if out.request_id not in aborted:
-                    kept.append(out)
-                elif out.request_id not in ended:  # (its first output this step ends it; any other is dropped)
-                    ended.add(out.request_id)
-                    kept.append(dataclasses.replace(out, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                                                    stop_reason=None, new_logprobs=None, new_prompt_logprobs=None))
-            outputs = dataclasses.replace(outputs, outputs=kept)
-        return deltas, outputs
+        return self._abort_now(ids) if ids else []
 
     def _abort_now(self, request_ids: list[str]) -> list[StreamDelta]:
-        """End ``request_ids`` in the core (it ignores the ones it does not know) and deliver their last deltas."""
-        return self._deliver(EngineCoreOutputs(self.core.abort_requests(request_ids), time.perf_counter()))
+        """End ``request_ids`` in the core (it ignores the ones it does not know) and deliver their last deltas.
+
+        A request the core has already let go of, whose last output is not handed out yet (the step that made
+        its last tokens finished it there), ends here all the same: as aborted, that output finding it ended
+        when it comes. A client that hung up is sent nothing after its abort (a disaggregated cluster can hand
+        over several tokens at once there, kept back for a transfer report)."""
+        outputs = list(self.core.abort_requests(request_ids))
+        ended = {out.request_id for out in outputs}
+        for request_id in dict.fromkeys(request_ids):
+            state = self.processor.states.get(request_id)
+            if request_id not in ended and state is not None and not state.finished \
+                    and request_id not in self.core.requests:
+                m = state.metrics  # (kept as they are: an output's counters replace the request's)
+                outputs.append(EngineCoreOutput(request_id, [], FinishReason.ABORT, None, m.cached_tokens,
+                                                m.preemptions, m.prefill_tokens))
+        return self._deliver(EngineCoreOutputs(outputs, time.perf_counter()))
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running (or has an output still to apply)."""
@@ -202,8 +195,8 @@ class FrontEnd:
         if it had not failed. The deltas of a step that raises are not returned: they are in the requests'
         states and :meth:`watch` queues (and in ``OutputProcessingError.deltas``).
         """
-        # The aborts asked for while the core stepped come before its tokens.
-        deltas, outputs = self._take_abort_requests(self.core.step())
+        outputs = self.core.step()
+        deltas = self._take_abort_requests()  # those asked for while the core stepped: before its tokens
         deltas += self._deliver(outputs)
         failure = self.core.take_failure()
         if failure is not None:
