@@ -108,7 +108,7 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     deadline = time.monotonic() + 10  # the last aborts are applied by the engine's thread
     while time.monotonic() < deadline and any(not s.finished for s in states.values()):
         time.sleep(0.02)
-    worst, made_after, made_for_ms, taken_after, most_late = 0, [], [], [], 0
+    worst, made_after, made_for_ms, taken_after, most_late, still_running = 0, [], [], [], 0, []
     for i in range(N):
         state = states[ids[i]]
         if i in dropped:
@@ -128,6 +128,10 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
                                    f"hung up at {(dropped_at[i] - aborted_at[ids[i]]) * 1e3:.2f} ms")
             after = sum(t > dropped_at[i] for t in state.metrics.token_times)
             taken_after.append(after)
+            # Its stream still had more tokens to come than the hang-up allows through: it must end aborted.
+            if lengths[i] - (len(state.token_ids) - after) > 4:
+                still_running.append(i)
+                assert state.finish_reason == "abort", f"request {i} was not aborted ({lengths[i]} tokens asked)"
             assert after <= 4, f"request {i} got {after} tokens after its client hung up"
             if made_at is not None:
                 made = [t - dropped_at[i] for t in made_at.get(ids[i], []) if t > dropped_at[i]]
@@ -142,11 +146,13 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
             assert texts[i] == expected_text[i] and result["done"].get(str(i)), f"request {i} as received"
     # Counted from the client's hang-up, the time the server's loop takes to see it counts too: nearly every
     # one took in <= 2 tokens after it; on the shared two cores, one in a storm now and then took in 3.
-    assert sum(ids[i] in aborted_at for i in dropped) >= DROPPED // 2
     assert sum(n > 2 for n in taken_after) <= 2, f"tokens after a hang-up: {collections.Counter(taken_after)}"
     counts = sorted(collections.Counter(made_after).items())
     slowest = sorted(made_for_ms, reverse=True)[:4]
-    print(f"most tokens after the server's abort: {most_late}; after a hang-up: {worst}; "
+    aborted_hang_ups = sum(states[ids[i]].finish_reason == "abort" for i in dropped)
+    print(f"hang-ups with over 4 tokens to come: {len(still_running)} of {DROPPED}; the server aborted "
+          f"{sum(ids[i] in aborted_at for i in dropped)}, ended aborted {aborted_hang_ups}; "
+          f"most tokens after the server's abort: {most_late}; after a hang-up: {worst}; "
           f"workers' counts (tokens: hang-ups): {counts}; their longest runs on after a hang-up (ms): "
           f"{[round(ms, 1) for ms in slowest]}; {probe.report()}")
     # The workers' own count: the abort reaches a decode worker through the server's event loop, the engine's
@@ -157,9 +163,14 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     # So: nearly every worker stops within 50 ms of the hang-up, and none makes more than 8 tokens after it.
     assert sum(ms > 50 for ms in made_for_ms) <= 2, f"workers' runs on after a hang-up (ms): {slowest}"
     assert max(made_after, default=0) <= 8, f"workers' tokens after a hang-up: {counts}"
-    # Most are aborted; a few had every token made, and on the wire, before their client read far enough to
-    # hang up (streams run ahead of a busy client), and finish: each was checked above.
-    assert sum(states[ids[i]].finish_reason == "abort" for i in dropped) >= DROPPED // 2
+    # Every hang-up with tokens still to come ended aborted (checked above, each); the others had every token
+    # made, and on the wire, before their client read far enough to hang up: streams run ahead of a busy client,
+    # and how many depends on how fast the clients' process reads against the engine's pace (8 storms each: 7-10
+    # of the 50 colocated, 14-25 disaggregated, whose decode worker streams faster). The storm must have put the
+    # abort path to work: a fifth of the hang-ups at least, each seen by the server.
+    assert len(still_running) >= DROPPED // 5, f"only {len(still_running)} hang-ups had tokens still to come"
+    assert all(ids[i] in aborted_at for i in still_running), "an aborted request's abort was not seen by the server"
+    assert aborted_hang_ups >= len(still_running)
     # The server's metrics tell the same story (scraped from this engine, colocated or disaggregated).
     metrics = metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)
     label = (("model_name", "tiny-py"),)
