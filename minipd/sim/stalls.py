@@ -1,0 +1,105 @@
+"""The machine's stalls: a real run's steps that took far longer than their work explains, replayed in a simulation.
+
+On a shared machine a process is now and then stopped for tens of milliseconds (other tenants, the host), and
+a step that spans such a stop takes that much longer, whatever it computed. A step-time model fitted by least
+squares spreads those stops thinly over every step; a simulation then never stops, where the real engine did,
+and a queue that built up behind a stop (then drained in fewer, bigger prefill steps) is missing from it.
+
+:func:`find_stalls` takes them out of a run: each step whose time exceeds the model's prediction by more than a
+threshold is a stall of that excess, at the step's start. :class:`StallingStepTime` puts them back in a
+simulation at the same moments: a simulated step that spans a stall's start lasts that much longer, and one
+that starts during a stall waits for its end. :func:`without_stalls` leaves them out of the samples a model is
+fitted to, so that the replayed stalls are not counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from minipd.engine.stats import StepStats, StepWork
+from minipd.sim.fitted import FittedStepTime, cycle_times
+
+#: A step this much longer than its model's prediction is taken for a stall of the machine (seconds): several
+#: times the spread of tiny-py's steps on two cores (a 1-10 ms step varies by about a millisecond), and below
+#: the 20-50 ms stops seen on a shared machine.
+DEFAULT_THRESHOLD_S = 0.005
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A stop of the machine: from ``start`` (seconds from the run's start) for ``duration`` seconds."""
+
+    start: float
+    duration: float
+
+    def __post_init__(self) -> None:
+        if not self.duration > 0:
+            raise ValueError(f"a stall's duration must be > 0 seconds, got {self.duration!r}")
+
+
+def _check_threshold(threshold_s: float) -> None:
+    if not threshold_s > 0:
+        raise ValueError(f"threshold_s must be > 0 seconds, got {threshold_s!r}")
+
+
+def without_stalls(model: FittedStepTime, samples: Sequence[tuple[StepWork, float]],
+                   threshold_s: float = DEFAULT_THRESHOLD_S) -> list[tuple[StepWork, float]]:
+    """The measured ``(work, seconds)`` samples less those ``threshold_s`` or more longer than ``model`` predicts
+    (to fit a model of the machine when it runs, its stalls replayed apart)."""
+    _check_threshold(threshold_s)
+    return [(w, t) for w, t in samples if t - model.step_time(w) < threshold_s]
+
+
+def find_stalls(model: FittedStepTime, steps: Sequence[StepStats], origin: float,
+                threshold_s: float = DEFAULT_THRESHOLD_S) -> list[Stall]:
+    """The stalls in one engine's (or one worker's) steps, in order: each step that took ``threshold_s`` or more
+    longer than ``model`` predicts (timed as :func:`~minipd.sim.fitted.cycle_times` counts) is a stall of its
+    excess, starting when the step started, in seconds from ``origin`` (``time.perf_counter()`` at the run's
+    start, :attr:`~minipd.sim.validate.RealRun.start`)."""
+    _check_threshold(threshold_s)
+    steps = list(steps)
+    stalls = []
+    for step, seconds in zip(steps, cycle_times(steps), strict=True):
+        excess = seconds - model.step_time(step.work)
+        if step.work.num_tokens > 0 and excess >= threshold_s:
+            stalls.append(Stall(step.start_time - origin, excess))
+    return stalls
+
+
+class StallingStepTime:
+    """A step-time model with a run's stalls put back at their times: a step spanning a stall's start lasts the
+    stall longer; a step starting during a stall lasts the rest of it longer (the process was stopped when it
+    would have started). A stall the instance slept through costs nothing. The simulation gives it its clock
+    (:meth:`bind`); one instance per object (each simulation starts the stalls over)."""
+
+    def __init__(self, model: FittedStepTime, stalls: Sequence[Stall]) -> None:
+        self.model = model
+        self.stalls = sorted(stalls, key=lambda s: s.start)
+        self._next = 0
+        self._clock: Callable[[], float] | None = None
+        #: Seconds the simulated steps were made longer by stalls (in the last simulation).
+        self.stalled_time = 0.0
+
+    def bind(self, clock: Callable[[], float]) -> None:
+        """Use ``clock()`` (the simulation's time); the stalls start over."""
+        self._clock, self._next, self.stalled_time = clock, 0, 0.0
+
+    def step_time(self, work: StepWork) -> float:
+        if self._clock is None:
+            raise RuntimeError("StallingStepTime needs the simulation's clock: run it through simulate()")
+        now = self._clock()
+        end = now + self.model.step_time(work)
+        while self._next < len(self.stalls):
+            stall = self.stalls[self._next]
+            if stall.start >= end:
+                break
+            self._next += 1
+            # (A stall over before the step began passed while the instance slept.)
+            added = max(0.0, stall.start + stall.duration - max(now, stall.start))
+            end += added
+            self.stalled_time += added
+        return end - now
+
+
+__all__ = ["DEFAULT_THRESHOLD_S", "Stall", "StallingStepTime", "find_stalls", "without_stalls"]

@@ -1,0 +1,79 @@
+"""A run's machine stalls found in its steps and replayed in a simulation (minipd.sim.stalls)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minipd.engine.stats import StepStats, StepWork
+from minipd.serve.workload import PlannedRequest
+from minipd.sim.cluster import ClusterSpec, simulate
+from minipd.sim.fitted import FittedStepTime
+from minipd.sim.instance import InstanceConfig
+from minipd.sim.stalls import Stall, StallingStepTime, find_stalls, without_stalls
+
+#: 1 ms a step plus 10 µs a prompt token, nothing else.
+MODEL = FittedStepTime((), ((1e-3, 1e-5, 0.0, 0.0, 0.0),))
+
+
+def _step(start: float, duration: float, tokens: int = 100, busy: bool = True) -> StepStats:
+    return StepStats(start_time=start, duration=duration, num_prefill_tokens=tokens, num_decode_tokens=0,
+                     num_running=int(busy), num_waiting=0, kv_blocks_used=0, kv_blocks_free=0, prefix_hit_rate=0.0,
+                     num_preemptions=0, num_context_tokens=tokens, prefill_chunk_sizes=(tokens,),
+                     prefill_chunk_contexts=(tokens,))
+
+
+def test_stalls_are_the_steps_far_longer_than_their_work_explains():
+    origin, starts = 50.0, [50.0, 50.002, 50.004, 50.036, 50.038]
+    # Each step takes 2 ms by the model; the third ran from 50.004 to 50.036: a stall of 30 ms at its start.
+    steps = [_step(s, 0.002) for s in starts[:-1]] + [_step(starts[-1], 0.002, busy=False)]
+    steps[2] = _step(starts[2], 0.032)
+    stalls = find_stalls(MODEL, steps, origin)
+    assert len(stalls) == 1
+    assert stalls[0].start == pytest.approx(0.004) and stalls[0].duration == pytest.approx(0.030)
+    # A step 4 ms longer than predicted is the machine's noise, not a stall, at the default 5 ms threshold.
+    starts = [50.0, 50.002, 50.004, 50.010, 50.012]
+    steps = [_step(s, 0.002) for s in starts[:-1]] + [_step(starts[-1], 0.002, busy=False)]
+    steps[2] = _step(starts[2], 0.006)
+    assert find_stalls(MODEL, steps, origin) == [] and len(find_stalls(MODEL, steps, origin, threshold_s=0.003)) == 1
+    samples = [(StepWork(prefill_tokens=100, prefill_rows=1), t) for t in (0.002, 0.0021, 0.040, 0.0019)]
+    assert [t for _, t in without_stalls(MODEL, samples)] == [0.002, 0.0021, 0.0019]
+    with pytest.raises(ValueError, match="threshold_s"):
+        find_stalls(MODEL, steps, origin, threshold_s=0)
+    with pytest.raises(ValueError, match="duration"):
+        Stall(1.0, 0.0)
+
+
+def test_a_replayed_stall_lengthens_the_steps_it_falls_in_and_no_other():
+    now = 0.0
+    model = StallingStepTime(MODEL, [Stall(0.100, 0.020), Stall(0.010, 0.020), Stall(0.200, 0.010)])
+    work = StepWork(prefill_tokens=400, prefill_rows=1)  # 5 ms
+    with pytest.raises(RuntimeError, match="clock"):
+        model.step_time(work)
+    model.bind(lambda: now)
+    assert model.step_time(work) == pytest.approx(0.005)  # ends before the first stall
+    now = 0.008  # spans the stall at 10 ms: all 20 ms of it added
+    assert model.step_time(work) == pytest.approx(0.025)
+    now = 0.110  # starts 10 ms into the stall at 100 ms: waits out the other 10 ms
+    assert model.step_time(work) == pytest.approx(0.015)
+    now = 0.250  # the stall at 200 ms passed while the instance slept
+    assert model.step_time(work) == pytest.approx(0.005)
+    assert model.stalled_time == pytest.approx(0.030)
+    model.bind(lambda: 0.008)  # a new simulation: the stalls start over
+    assert model.step_time(work) == pytest.approx(0.025) and model.stalled_time == pytest.approx(0.020)
+
+
+def test_a_stall_in_a_simulation_delays_the_requests_behind_it_by_its_length():
+    config = InstanceConfig(num_kv_blocks=256)
+    workload = [PlannedRequest(0.010 * i, 100, 4) for i in range(20)]
+    plain = simulate(ClusterSpec.colocated(MODEL, config), workload)
+    stalled = StallingStepTime(MODEL, [Stall(0.0505, 0.040)])
+    slowed = simulate(ClusterSpec.colocated(stalled, config), workload)
+    assert stalled.stalled_time == pytest.approx(0.040)
+    before = [r.ttft for r in plain.results()]
+    after = [r.ttft for r in slowed.results()]
+    # Requests done before the stall are untouched; the one whose prefill spans it waits all 40 ms of it; the
+    # queue behind it drains (requests arriving 100 ms later are back on time).
+    assert after[:5] == pytest.approx(before[:5])
+    assert after[5] - before[5] == pytest.approx(0.040, abs=0.002)
+    assert after[-1] == pytest.approx(before[-1])
+    assert all(a >= b - 1e-12 for a, b in zip(after, before, strict=True))
