@@ -44,12 +44,13 @@ import numpy as np
 from minipd import LLM
 from minipd.kernels.isa import cpu_identity, cpu_model
 from minipd.pd.llm import DisaggregatedLLM
-from minipd.serve.loadgen import Slo
+from minipd.serve.loadgen import Slo, summarize
 from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
+from minipd.sim.stalls import StallingStepTime, find_stalls, without_stalls
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
@@ -137,11 +138,68 @@ def step_counts(per_worker: dict[str, int]) -> dict[str, int]:
     return dict(counts)
 
 
-def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -> dict:
+def stall_replay(model: FittedStepTime, calibration: list, steps: list, origin: float
+                 ) -> tuple[StallingStepTime, dict]:
+    """One engine's (or worker's) step model for a simulation of the run of ``steps``: fitted again on the
+    ``calibration`` samples less their stalls (the machine when it runs), at the run's own speed measured on its
+    steps between stalls, with the run's stalls put back at their times; and what was found (factor, stalls)."""
+    between = FittedStepTime.fit(without_stalls(model, calibration), model.splits, source=model.source)
+    factor = speed_factor(between, without_stalls(between, timed_steps(steps)))
+    at_speed = between.scaled(factor)
+    stalls = find_stalls(at_speed, steps, origin)
+    return StallingStepTime(at_speed, stalls), {"factor": factor, "stalls": len(stalls),
+                                                "stalled_ms": sum(s.duration for s in stalls) * 1e3}
+
+
+def between_stalls(model: FittedStepTime, samples: list) -> dict:
+    """The step model's held-out error (and the noise floor) on the steps the machine did not stall in: the
+    samples less those :func:`~minipd.sim.stalls.without_stalls` leaves out (their share kept beside)."""
+    kept = without_stalls(model, samples)
+    train, test = held_out_split(kept)
+    return {"mape": FittedStepTime.fit(train, model.splits).mape(test), "noise_floor": noise_floor(kept),
+            "stalled_share": 1 - len(kept) / len(samples)}
+
+
+def describe_stalls(name: str, found: dict) -> str:
+    return f"{name} x{found['factor']:.3f}, {found['stalls']} stalls {found['stalled_ms']:.0f} ms"
+
+
+class _OffThePath(Exception):
+    """The simulated search asked for a rate the real search never ran."""
+
+
+def replayed_search(real: dict, models, replay, make_spec, n: int, slo: Slo) -> dict:
+    """The goodput search once more, each rate simulated with the stalls of the real search's run at that rate
+    (the same bisection: while the two agree on each rate, they try the same rates). Returns the goodput
+    (None if the simulation passed or failed a rate the other way and asked for one never run for real) and
+    every (rate, real attainment, simulated attainment)."""
+    by_rate = {rate: run for (rate, _), run in zip(real["goodput"]["real_tried"], real["searched"], strict=True)}
+    attained = dict(real["goodput"]["real_tried"])
+    tried = []
+
+    def run_at(rate: float) -> list:
+        if rate not in by_rate:
+            raise _OffThePath(rate)
+        replayed, _ = replay(models, real["calibration"], by_rate[rate])
+        results = simulate(make_spec(replayed), workload(n, rate, 200)).results()
+        tried.append((rate, attained[rate], summarize(results, slo)["slo_attainment"]))
+        return results
+
+    try:
+        goodput, _ = search(run_at, slo, real["capacity"])
+    except _OffThePath:
+        goodput = None
+    return {"goodput": goodput, "tried": tried}
+
+
+def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replay=None) -> dict:
     """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
     beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
     models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
-    speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected")."""
+    speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected").
+    ``replay(models, calibration, run) -> (models, found)``: the step models of the machine between its stalls,
+    at ``run``'s speed, with ``run``'s own stalls put back (:mod:`minipd.sim.stalls`), kept beside each row for
+    each of its two real runs ("stalls_replayed", "repeat_stalls_replayed")."""
     capacity = real["capacity"]
     models, errors = fit(real["calibration"])
     spec = make_spec(models)
@@ -174,6 +232,15 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -
                                                                for key, row in corrected.items()}}
         print(f"  at the run's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): " + ", ".join(
             f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in corrected.items()), flush=True)
+        if replay is not None:
+            for key, run in (("stalls_replayed", first), ("repeat_stalls_replayed", again)):
+                replayed, found = replay(models, real["calibration"], run)
+                table_replayed = compare(run.results, simulate(make_spec(replayed), items), slo)
+                rows[-1][key] = {"found": found, **{k: {"sim": v["sim"], "error": v["error"]}
+                                                    for k, v in table_replayed.items()}}
+                stalls = ", ".join(describe_stalls(k, v) for k, v in found.items())
+                print(f"  {key.replace('_', ' ')} ({stalls}): " + ", ".join(
+                    f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in table_replayed.items()), flush=True)
         if variant is not None:
             other = compare(first.results, simulate(variant_spec, items), slo)
             rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
@@ -191,6 +258,9 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None) -
         goodput["search_speed_factors"] = factors
         print(f"  at the real search's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
               f"simulated {goodput['sim_speed_corrected']:.2f} req/s", flush=True)
+    if replay is not None and real["searched"]:
+        goodput["sim_stalls_replayed"] = replayed_search(real, models, replay, make_spec, n, slo)
+        print(f"  each real search run's own stalls replayed: {goodput['sim_stalls_replayed']}", flush=True)
     runs = {"calibration": [run.to_json() for run in real["calibration"]],
             "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()},
             "searched": [run.to_json() for run in real["searched"]]}
@@ -261,15 +331,20 @@ def main(argv: list[str] | None = None) -> int:
         train, test = held_out_split(samples)
         model = FittedStepTime.fit(samples, splits, source=f"tiny-py colocated, {report['machine']}")
         return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
-                       "model": model.describe()}
+                       "model": model.describe(), "between_stalls": between_stalls(model, samples)}
 
     def rescale_colocated(model, runs):
         factor = speed_factor(model, [x for run in runs for x in timed_steps(run.steps)])
         return model.scaled(factor), {"engine": factor}
 
+    def replay_colocated(model, calibration, run):
+        replayed, found = stall_replay(model, [x for r in calibration for x in timed_steps(r.steps)], run.steps,
+                                       run.start)
+        return replayed, {"engine": found}
+
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
-                                     rescale_colocated, args.num_requests, slo))
+                                     rescale_colocated, args.num_requests, slo, replay=replay_colocated))
     # (Simulated again: the engine the runs were made with.)
     report["colocated"]["engine"] = repr(llm) if earlier is None else earlier["colocated"]["engine"]
     report["colocated"]["splits"] = splits
@@ -303,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 held = fit_shared(train_samples, [o for _, o in train], ranges)
                 errors[role] = {"mape": FittedStepTime.fit(train_samples, ranges).mape(test_samples),
                                 "noise_floor": noise_floor(samples), "model": models[role].describe(),
+                                "between_stalls": between_stalls(models[role], samples),
                                 "shared_cores": {
                                     "mape": float(np.abs(shared_errors(*held, test_samples,
                                                                        [o for _, o in test])).mean()),
@@ -318,6 +394,15 @@ def main(argv: list[str] | None = None) -> int:
             factors = {role: speed_factor(models[role], [x for run in runs for x in timed_steps(
                 [s for s in run.steps if s.worker.startswith(role)])]) for role in ("prefill", "decode")}
             return {**models, **{role: models[role].scaled(f) for role, f in factors.items()}}, factors
+
+        def replay_pd(models, calibration, run):
+            replayed, found = dict(models), {}
+            for role in ("prefill", "decode"):
+                samples = [x for r in calibration for x in timed_steps([s for s in r.steps
+                                                                        if s.worker.startswith(role)])]
+                replayed[role], found[role] = stall_replay(
+                    models[role], samples, [s for s in run.steps if s.worker.startswith(role)], run.start)
+            return replayed, found
 
         def pd_spec(models, shared_cores=False):
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
@@ -340,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                     "instance": dataclasses.asdict(config), "kv_bytes_per_token": kv_per_token, "num_layers": layers}
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
-                                    variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True))))
+                                    variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)),
+                                    replay=replay_pd))
         report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:
