@@ -47,7 +47,8 @@ def summary(report: dict, label: str) -> dict:
 
 def _load(row: dict) -> dict:
     """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
-    alone moves them); and, in reports that have them, the same at the speed the machine ran the real run."""
+    alone moves them); and, in reports that have them, the same at the speed the machine ran the real run, and
+    with each real run's own stalls replayed (against that run)."""
     load = {"within_targets": within_targets(row), "errors": {k: row[k]["error"] for k in TARGETS},
             "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
     if "steps" in row:  # (steps per role: real, repeat, simulated)
@@ -56,6 +57,11 @@ def _load(row: dict) -> dict:
         corrected = row["speed_corrected"]
         load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],
                             "errors": {k: corrected[k]["error"] for k in TARGETS}}
+    for key in ("stalls_replayed", "repeat_stalls_replayed"):  # each real run, its own stalls put back
+        if key in row:
+            replayed = row[key]
+            load[key] = {"within_targets": within_targets(replayed), "found": replayed["found"],
+                         "errors": {k: replayed[k]["error"] for k in TARGETS}}
     return load
 
 

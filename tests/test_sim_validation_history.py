@@ -87,3 +87,23 @@ def test_the_history_keeps_the_verdicts_at_each_runs_own_speed_where_a_report_ha
     assert run["colocated"]["goodput"]["sim_speed_corrected"] == 42.0
     assert "sim_speed_corrected" not in run["1p1d"]["goodput"]
     assert all("at_speed" not in v and "steps" not in v for v in run["1p1d"]["loads"].values())
+
+
+def test_the_history_keeps_each_real_runs_verdict_with_its_own_stalls_replayed(tmp_path):
+    report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    row = report["1p1d"]["rows"][1]
+    found = {"prefill": {"factor": 1.02, "stalls": 3, "stalled_ms": 95.0},
+             "decode": {"factor": 0.98, "stalls": 0, "stalled_ms": 0.0}}
+    # The first run within every target once its stalls are back; the repeat still 12% off on P50 TTFT.
+    row["stalls_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.0} for k in TARGETS}}
+    row["repeat_stalls_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.12 if k == "median_ttft_ms"
+                                                            else 0.0} for k in TARGETS}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
+    loads = json.loads((tmp_path / "h.json").read_text())["runs"][0]["1p1d"]["loads"]
+    load = loads[str(row["fraction"])]
+    assert load["stalls_replayed"] == {"within_targets": True, "found": found, "errors": dict.fromkeys(TARGETS, 0.0)}
+    assert load["repeat_stalls_replayed"]["within_targets"] is False
+    assert load["repeat_stalls_replayed"]["errors"]["median_ttft_ms"] == 0.12
+    assert sum("stalls_replayed" in v for v in loads.values()) == 1
