@@ -9,7 +9,7 @@ from minipd.serve.workload import PlannedRequest
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.fitted import FittedStepTime
 from minipd.sim.instance import InstanceConfig
-from minipd.sim.stalls import Stall, StallingStepTime, find_stalls, without_stalls
+from minipd.sim.stalls import Stall, StallingStepTime, find_stalls, replay_run_stalls, without_stalls
 
 #: 1 ms a step plus 10 µs a prompt token, nothing else.
 MODEL = FittedStepTime((), ((1e-3, 1e-5, 0.0, 0.0, 0.0),))
@@ -77,3 +77,27 @@ def test_a_stall_in_a_simulation_delays_the_requests_behind_it_by_its_length():
     assert after[5] - before[5] == pytest.approx(0.040, abs=0.002)
     assert after[-1] == pytest.approx(before[-1])
     assert all(a >= b - 1e-12 for a, b in zip(after, before, strict=True))
+
+
+def test_a_run_is_replayed_at_its_speed_between_stalls_with_its_own_stalls():
+    # Calibration: steps costing 2 ms + 20 µs a prompt token, three of them stalled by 40 ms (they would pull a
+    # least-squares fit up); the run: 10% slower between its two stalls, of 30 and 60 ms.
+    def seconds(tokens: int) -> float:
+        return 0.002 + 2e-5 * tokens
+
+    calibration = [(StepWork(prefill_tokens=n, prefill_rows=1), seconds(n) + (0.040 if i % 40 == 7 else 0.0))
+                   for i, n in enumerate(list(range(16, 256, 2)))]
+    model = FittedStepTime.fit(calibration)
+    assert model.step_time(StepWork(prefill_tokens=100, prefill_rows=1)) > 1.1 * seconds(100)
+    origin, start, steps = 10.0, 10.0, []
+    for i, n in enumerate(range(16, 256, 8)):
+        took = 1.1 * seconds(n) + {5: 0.030, 20: 0.060}.get(i, 0.0)
+        steps.append(_step(start, took, tokens=n, busy=i < 29))
+        start += took
+    replayed, found = replay_run_stalls(model, calibration, steps, origin)
+    assert found.factor == pytest.approx(1.1, rel=1e-6) and found.stalls == 2
+    assert found.stalled_s == pytest.approx(0.090, rel=1e-6)
+    assert [s.start for s in replayed.stalls] == pytest.approx([steps[5].start_time - origin,
+                                                                steps[20].start_time - origin])
+    # Between stalls the replayed model gives the run's own step times.
+    assert replayed.model.step_time(steps[3].work) == pytest.approx(1.1 * seconds(steps[3].num_prefill_tokens))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from minipd.engine.stats import StepStats, StepWork
-from minipd.sim.fitted import FittedStepTime, cycle_times
+from minipd.sim.fitted import FittedStepTime, cycle_times, speed_factor, timed_steps
 
 #: A step this much longer than its model's prediction is taken for a stall of the machine (seconds): several
 #: times the spread of tiny-py's steps on two cores (a 1-10 ms step varies by about a millisecond), and below
@@ -102,4 +102,28 @@ class StallingStepTime:
         return end - now
 
 
-__all__ = ["DEFAULT_THRESHOLD_S", "Stall", "StallingStepTime", "find_stalls", "without_stalls"]
+@dataclass(frozen=True)
+class RunStalls:
+    """What :func:`replay_run_stalls` found in a run: its speed between stalls (measured step time over the
+    model's, 1.0: as fitted), how many stalls and how long they lasted in all (seconds)."""
+
+    factor: float
+    stalls: int
+    stalled_s: float
+
+
+def replay_run_stalls(model: FittedStepTime, calibration: Sequence[tuple[StepWork, float]],
+                      steps: Sequence[StepStats], origin: float, threshold_s: float = DEFAULT_THRESHOLD_S
+                      ) -> tuple[StallingStepTime, RunStalls]:
+    """A step model to simulate one real run of ``steps`` with: ``model`` fitted again on the ``calibration``
+    samples less their stalls (the machine when it runs), at the speed this run's steps between stalls ran
+    (:func:`~minipd.sim.fitted.speed_factor`), with this run's own stalls put back at their times."""
+    between = FittedStepTime.fit(without_stalls(model, calibration, threshold_s), model.splits, source=model.source)
+    factor = speed_factor(between, without_stalls(between, timed_steps(steps), threshold_s))
+    at_speed = between.scaled(factor)
+    stalls = find_stalls(at_speed, steps, origin, threshold_s)
+    return StallingStepTime(at_speed, stalls), RunStalls(factor, len(stalls), sum(s.duration for s in stalls))
+
+
+__all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "find_stalls", "replay_run_stalls",
+           "without_stalls"]
