@@ -50,12 +50,14 @@ from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
-from minipd.sim.stalls import StallingStepTime, find_stalls, without_stalls
+from minipd.sim.stalls import RunStalls, replay_run_stalls, without_stalls
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
 FRACTIONS = (0.3, 0.6, 0.85, 0.95)
 CALIBRATION = (0.3, 0.6, 0.95)
+#: Step models this many times slower, to show how much each figure moves with the machine's speed.
+SENSITIVITY = (0.95, 1.05)
 
 
 def cpu_label() -> str:
@@ -138,19 +140,6 @@ def step_counts(per_worker: dict[str, int]) -> dict[str, int]:
     return dict(counts)
 
 
-def stall_replay(model: FittedStepTime, calibration: list, steps: list, origin: float
-                 ) -> tuple[StallingStepTime, dict]:
-    """One engine's (or worker's) step model for a simulation of the run of ``steps``: fitted again on the
-    ``calibration`` samples less their stalls (the machine when it runs), at the run's own speed measured on its
-    steps between stalls, with the run's stalls put back at their times; and what was found (factor, stalls)."""
-    between = FittedStepTime.fit(without_stalls(model, calibration), model.splits, source=model.source)
-    factor = speed_factor(between, without_stalls(between, timed_steps(steps)))
-    at_speed = between.scaled(factor)
-    stalls = find_stalls(at_speed, steps, origin)
-    return StallingStepTime(at_speed, stalls), {"factor": factor, "stalls": len(stalls),
-                                                "stalled_ms": sum(s.duration for s in stalls) * 1e3}
-
-
 def between_stalls(model: FittedStepTime, samples: list) -> dict:
     """The step model's held-out error (and the noise floor) on the steps the machine did not stall in: the
     samples less those :func:`~minipd.sim.stalls.without_stalls` leaves out (their share kept beside)."""
@@ -158,6 +147,11 @@ def between_stalls(model: FittedStepTime, samples: list) -> dict:
     train, test = held_out_split(kept)
     return {"mape": FittedStepTime.fit(train, model.splits).mape(test), "noise_floor": noise_floor(kept),
             "stalled_share": 1 - len(kept) / len(samples)}
+
+
+def stall_figures(found: RunStalls) -> dict:
+    """What :func:`~minipd.sim.stalls.replay_run_stalls` found, as the report keeps it."""
+    return {"factor": found.factor, "stalls": found.stalls, "stalled_ms": found.stalled_s * 1e3}
 
 
 def describe_stalls(name: str, found: dict) -> str:
@@ -192,14 +186,16 @@ def replayed_search(real: dict, models, replay, make_spec, n: int, slo: Slo) -> 
     return {"goodput": goodput, "tried": tried}
 
 
-def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replay=None) -> dict:
+def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replay=None, scale=None) -> dict:
     """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
     beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
     models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
     speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected").
     ``replay(models, calibration, run) -> (models, found)``: the step models of the machine between its stalls,
     at ``run``'s speed, with ``run``'s own stalls put back (:mod:`minipd.sim.stalls`), kept beside each row for
-    each of its two real runs ("stalls_replayed", "repeat_stalls_replayed")."""
+    each of its two real runs ("stalls_replayed", "repeat_stalls_replayed"). ``scale(models, factor)``: every
+    step model ``factor`` times slower, for how much a 5% faster or slower machine moves each figure
+    ("sensitivity": the relative change of each figure, the attainment's in points)."""
     capacity = real["capacity"]
     models, errors = fit(real["calibration"])
     spec = make_spec(models)
@@ -232,6 +228,16 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
                                                                for key, row in corrected.items()}}
         print(f"  at the run's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): " + ", ".join(
             f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in corrected.items()), flush=True)
+        if scale is not None:
+            plain = summarize(simulated.results(), slo)
+            rows[-1]["sensitivity"] = {}
+            for factor in SENSITIVITY:
+                moved = summarize(simulate(make_spec(scale(models, factor)), items).results(), slo)
+                rows[-1]["sensitivity"][str(factor)] = {
+                    k: (moved[k] - plain[k]) if k == "slo_attainment" else moved[k] / plain[k] - 1 for k in table}
+            print("  a machine 5% faster / slower: " + ", ".join(
+                f"{k} {rows[-1]['sensitivity'][str(SENSITIVITY[0])][k]:+.2f}/"
+                f"{rows[-1]['sensitivity'][str(SENSITIVITY[1])][k]:+.2f}" for k in table), flush=True)
         if replay is not None:
             for key, run in (("stalls_replayed", first), ("repeat_stalls_replayed", again)):
                 replayed, found = replay(models, real["calibration"], run)
@@ -338,13 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         return model.scaled(factor), {"engine": factor}
 
     def replay_colocated(model, calibration, run):
-        replayed, found = stall_replay(model, [x for r in calibration for x in timed_steps(r.steps)], run.steps,
-                                       run.start)
-        return replayed, {"engine": found}
+        replayed, found = replay_run_stalls(model, [x for r in calibration for x in timed_steps(r.steps)],
+                                            run.steps, run.start)
+        return replayed, {"engine": stall_figures(found)}
 
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
-                                     rescale_colocated, args.num_requests, slo, replay=replay_colocated))
+                                     rescale_colocated, args.num_requests, slo, replay=replay_colocated,
+                                     scale=lambda model, factor: model.scaled(factor)))
     # (Simulated again: the engine the runs were made with.)
     report["colocated"]["engine"] = repr(llm) if earlier is None else earlier["colocated"]["engine"]
     report["colocated"]["splits"] = splits
@@ -400,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
             for role in ("prefill", "decode"):
                 samples = [x for r in calibration for x in timed_steps([s for s in r.steps
                                                                         if s.worker.startswith(role)])]
-                replayed[role], found[role] = stall_replay(
+                replayed[role], stalls = replay_run_stalls(
                     models[role], samples, [s for s in run.steps if s.worker.startswith(role)], run.start)
+                found[role] = stall_figures(stalls)
             return replayed, found
 
         def pd_spec(models, shared_cores=False):
@@ -426,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
                                     variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)),
-                                    replay=replay_pd))
+                                    replay=replay_pd, scale=lambda models, factor: {
+                                        **models, **{role: models[role].scaled(factor)
+                                                     for role in ("prefill", "decode")}}))
         report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:

@@ -33,13 +33,16 @@ def summary(report: dict, label: str) -> dict:
               "prefill": report["1p1d"]["step_model"]["prefill"], "decode": report["1p1d"]["step_model"]["decode"]}
     out = {"label": label, "machine": report["machine"], "date": report["date"],
            "simulated_again": report.get("simulated_again"), "simulator": report.get("simulator"),
-           "step_model": {name: {"mape": m["mape"], "noise_floor": m["noise_floor"]} for name, m in models.items()}}
+           "step_model": {name: {"mape": m["mape"], "noise_floor": m["noise_floor"],
+                                 **({"between_stalls": m["between_stalls"]} if "between_stalls" in m else {})}
+                          for name, m in models.items()}}
     for engine in ENGINES:
         entry = report[engine]
         goodput = entry["goodput"]
         out[engine] = {
             "capacity": entry["capacity"],
-            "goodput": {k: goodput[k] for k in ("real", "repeat", "sim", "sim_speed_corrected") if k in goodput},
+            "goodput": {k: goodput[k] for k in ("real", "repeat", "sim", "sim_speed_corrected", "real_tried",
+                                                "sim_stalls_replayed") if k in goodput},
             "loads": {str(row["fraction"]): _load(row) for row in entry["rows"]},
         }
     return out
@@ -48,11 +51,13 @@ def summary(report: dict, label: str) -> dict:
 def _load(row: dict) -> dict:
     """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
     alone moves them); and, in reports that have them, the same at the speed the machine ran the real run, and
-    with each real run's own stalls replayed (against that run)."""
+    with each real run's own stalls replayed (against that run), and how much a 5% faster or slower machine moves
+    each simulated figure."""
     load = {"within_targets": within_targets(row), "errors": {k: row[k]["error"] for k in TARGETS},
             "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
-    if "steps" in row:  # (steps per role: real, repeat, simulated)
-        load["steps"] = row["steps"]
+    for key in ("steps", "sensitivity"):  # (steps per role: real, repeat, simulated; a machine 5% faster/slower)
+        if key in row:
+            load[key] = row[key]
     if "speed_corrected" in row:
         corrected = row["speed_corrected"]
         load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],

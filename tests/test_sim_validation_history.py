@@ -98,10 +98,20 @@ def test_the_history_keeps_each_real_runs_verdict_with_its_own_stalls_replayed(t
     row["stalls_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.0} for k in TARGETS}}
     row["repeat_stalls_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.12 if k == "median_ttft_ms"
                                                             else 0.0} for k in TARGETS}}
+    row["sensitivity"] = {"0.95": dict.fromkeys(TARGETS, -0.2), "1.05": dict.fromkeys(TARGETS, 0.3)}
+    report["1p1d"]["step_model"]["prefill"]["between_stalls"] = {"mape": 0.1, "noise_floor": 0.09,
+                                                                 "stalled_share": 0.05}
+    replayed_search = {"goodput": None, "tried": [[50.0, 0.95, 0.97], [100.0, 0.5, 0.92]]}
+    report["1p1d"]["goodput"]["sim_stalls_replayed"] = replayed_search
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
-    loads = json.loads((tmp_path / "h.json").read_text())["runs"][0]["1p1d"]["loads"]
+    run = json.loads((tmp_path / "h.json").read_text())["runs"][0]
+    assert run["step_model"]["prefill"]["between_stalls"]["stalled_share"] == 0.05
+    assert "between_stalls" not in run["step_model"]["decode"]
+    assert run["1p1d"]["goodput"]["sim_stalls_replayed"] == replayed_search
+    loads = run["1p1d"]["loads"]
+    assert loads[str(row["fraction"])]["sensitivity"] == row["sensitivity"]
     load = loads[str(row["fraction"])]
     assert load["stalls_replayed"] == {"within_targets": True, "found": found, "errors": dict.fromkeys(TARGETS, 0.0)}
     assert load["repeat_stalls_replayed"]["within_targets"] is False
