@@ -62,6 +62,9 @@ def _load(row: dict) -> dict:
         corrected = row["speed_corrected"]
         load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],
                             "errors": {k: corrected[k]["error"] for k in TARGETS}}
+    if "shared_cores" in row:  # (1P1D: the variant whose workers slow each other down on the shared cores)
+        load["shared_cores"] = {"within_targets": within_targets(row["shared_cores"]),
+                                "errors": {k: row["shared_cores"][k]["error"] for k in TARGETS}}
     for key in ("stalls_replayed", "repeat_stalls_replayed"):  # each real run, its own stalls put back
         if key in row:
             replayed = row[key]

@@ -112,6 +112,8 @@ def test_the_history_keeps_each_real_runs_verdict_with_its_own_stalls_replayed(t
     assert run["1p1d"]["goodput"]["sim_stalls_replayed"] == replayed_search
     loads = run["1p1d"]["loads"]
     assert loads[str(row["fraction"])]["sensitivity"] == row["sensitivity"]
+    assert loads[str(row["fraction"])]["shared_cores"]["errors"] == {k: row["shared_cores"][k]["error"]
+                                                                     for k in TARGETS}
     load = loads[str(row["fraction"])]
     assert load["stalls_replayed"] == {"within_targets": True, "found": found, "errors": dict.fromkeys(TARGETS, 0.0)}
     assert load["repeat_stalls_replayed"]["within_targets"] is False
