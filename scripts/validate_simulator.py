@@ -12,9 +12,12 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
    engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down on
    the shared cores: ``minipd.sim.sharing``); and once more with the step models at the speed the machine ran that
    real run (one factor per engine or worker, ``minipd.sim.fitted.speed_factor``): a shared machine's speed drifts
-   by 10-20% over minutes, and this separates that drift from the simulator's own error;
+   by 10-20% over minutes, and this separates that drift from the simulator's own error; once more for each
+   real run and its repeat with that run's own stalls put back (``minipd.sim.stalls``: the machine between its
+   stops at the run's speed, the stops where they were: what is left is the simulator's); and on a machine 5%
+   faster and 5% slower (how much each figure moves with the speed alone);
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
-   simulator (also at the speed of the first real search's runs).
+   simulator (also at the speed of the first real search's runs, and with each of those runs' stalls).
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):

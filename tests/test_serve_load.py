@@ -170,7 +170,6 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     # abort path to work: a fifth of the hang-ups at least, each seen by the server.
     assert len(still_running) >= DROPPED // 5, f"only {len(still_running)} hang-ups had tokens still to come"
     assert all(ids[i] in aborted_at for i in still_running), "an aborted request's abort was not seen by the server"
-    assert aborted_hang_ups >= len(still_running)
     # The server's metrics tell the same story (scraped from this engine, colocated or disaggregated).
     metrics = metric_values(httpx.get(f"{server.url}/metrics", timeout=10).text)
     label = (("model_name", "tiny-py"),)

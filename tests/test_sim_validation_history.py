@@ -89,7 +89,7 @@ def test_the_history_keeps_the_verdicts_at_each_runs_own_speed_where_a_report_ha
     assert all("at_speed" not in v and "steps" not in v for v in run["1p1d"]["loads"].values())
 
 
-def test_the_history_keeps_each_real_runs_verdict_with_its_own_stalls_replayed(tmp_path):
+def test_the_history_keeps_the_stall_replays_the_sensitivity_and_the_shared_cores_verdicts(tmp_path):
     report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
     row = report["1p1d"]["rows"][1]
     found = {"prefill": {"factor": 1.02, "stalls": 3, "stalled_ms": 95.0},
