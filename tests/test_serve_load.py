@@ -166,7 +166,7 @@ def run_storm(server, processor, reference, tmp_path, blocks_in_use, made_at=Non
     # Every hang-up with tokens still to come ended aborted (checked above, each); the others had every token
     # made, and on the wire, before their client read far enough to hang up: streams run ahead of a busy client,
     # and how many depends on how fast the clients' process reads against the engine's pace (8 storms each: 7-10
-    # of the 50 colocated, 14-25 disaggregated, whose decode worker streams faster). The storm must have put the
+    # of the 50 colocated, 13-25 disaggregated, whose decode worker streams faster). The storm must have put the
     # abort path to work: a fifth of the hang-ups at least, each seen by the server.
     assert len(still_running) >= DROPPED // 5, f"only {len(still_running)} hang-ups had tokens still to come"
     assert all(ids[i] in aborted_at for i in still_running), "an aborted request's abort was not seen by the server"
