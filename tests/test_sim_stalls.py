@@ -9,7 +9,14 @@ from minipd.serve.workload import PlannedRequest
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.fitted import FittedStepTime
 from minipd.sim.instance import InstanceConfig
-from minipd.sim.stalls import Stall, StallingStepTime, find_stalls, replay_run_stalls, without_stalls
+from minipd.sim.stalls import (
+    Stall,
+    StallingStepTime,
+    find_stalls,
+    fit_between_stalls,
+    replay_run_stalls,
+    without_stalls,
+)
 
 #: 1 ms a step plus 10 µs a prompt token, nothing else.
 MODEL = FittedStepTime((), ((1e-3, 1e-5, 0.0, 0.0, 0.0),))
@@ -94,7 +101,9 @@ def test_a_run_is_replayed_at_its_speed_between_stalls_with_its_own_stalls():
         took = 1.1 * seconds(n) + {5: 0.030, 20: 0.060}.get(i, 0.0)
         steps.append(_step(start, took, tokens=n, busy=i < 29))
         start += took
-    replayed, found = replay_run_stalls(model, calibration, steps, origin)
+    between = fit_between_stalls(model, calibration)
+    assert between.step_time(StepWork(prefill_tokens=100, prefill_rows=1)) == pytest.approx(seconds(100))
+    replayed, found = replay_run_stalls(between, steps, origin)
     assert found.factor == pytest.approx(1.1, rel=1e-6) and found.stalls == 2
     assert found.stalled_s == pytest.approx(0.090, rel=1e-6)
     assert [s.start for s in replayed.stalls] == pytest.approx([steps[5].start_time - origin,

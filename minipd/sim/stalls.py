@@ -9,7 +9,7 @@ and a queue that built up behind a stop (then drained in fewer, bigger prefill s
 threshold is a stall of that excess, at the step's start. :class:`StallingStepTime` puts them back in a
 simulation at the same moments: a simulated step that spans a stall's start lasts that much longer, and one
 that starts during a stall waits for its end. :func:`without_stalls` leaves them out of the samples a model is
-fitted to, so that the replayed stalls are not counted twice.
+fitted to (:func:`fit_between_stalls`), so that the replayed stalls are not counted twice.
 """
 
 from __future__ import annotations
@@ -112,18 +112,23 @@ class RunStalls:
     stalled_s: float
 
 
-def replay_run_stalls(model: FittedStepTime, calibration: Sequence[tuple[StepWork, float]],
-                      steps: Sequence[StepStats], origin: float, threshold_s: float = DEFAULT_THRESHOLD_S
-                      ) -> tuple[StallingStepTime, RunStalls]:
-    """A step model to simulate one real run of ``steps`` with: ``model`` fitted again on the ``calibration``
-    samples less their stalls (the machine when it runs), at the speed this run's steps between stalls ran
+def fit_between_stalls(model: FittedStepTime, calibration: Sequence[tuple[StepWork, float]],
+                       threshold_s: float = DEFAULT_THRESHOLD_S) -> FittedStepTime:
+    """``model`` fitted again (same ranges) on the ``calibration`` samples it was fitted on, less their stalls:
+    the machine when it runs, for :func:`replay_run_stalls` to put each run's own stalls back on."""
+    return FittedStepTime.fit(without_stalls(model, calibration, threshold_s), model.splits, source=model.source)
+
+
+def replay_run_stalls(between: FittedStepTime, steps: Sequence[StepStats], origin: float,
+                      threshold_s: float = DEFAULT_THRESHOLD_S) -> tuple[StallingStepTime, RunStalls]:
+    """A step model to simulate one real run of ``steps`` with: ``between`` (a model of the machine between its
+    stalls, :func:`fit_between_stalls`) at the speed this run's steps between stalls ran
     (:func:`~minipd.sim.fitted.speed_factor`), with this run's own stalls put back at their times."""
-    between = FittedStepTime.fit(without_stalls(model, calibration, threshold_s), model.splits, source=model.source)
     factor = speed_factor(between, without_stalls(between, timed_steps(steps), threshold_s))
     at_speed = between.scaled(factor)
     stalls = find_stalls(at_speed, steps, origin, threshold_s)
     return StallingStepTime(at_speed, stalls), RunStalls(factor, len(stalls), sum(s.duration for s in stalls))
 
 
-__all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "find_stalls", "replay_run_stalls",
-           "without_stalls"]
+__all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "find_stalls", "fit_between_stalls",
+           "replay_run_stalls", "without_stalls"]
