@@ -53,7 +53,7 @@ from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
-from minipd.sim.stalls import RunStalls, replay_run_stalls, without_stalls
+from minipd.sim.stalls import RunStalls, fit_between_stalls, replay_run_stalls, without_stalls
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
@@ -157,6 +157,16 @@ def stall_figures(found: RunStalls) -> dict:
     return {"factor": found.factor, "stalls": found.stalls, "stalled_ms": found.stalled_s * 1e3}
 
 
+def simulated_side(table: dict) -> dict:
+    """A :func:`~minipd.sim.validate.compare` table's simulated figures and their errors (the real side is the
+    row's own), as a row keeps a second simulation beside its first."""
+    return {key: {"sim": row["sim"], "error": row["error"]} for key, row in table.items()}
+
+
+def describe_errors(table: dict) -> str:
+    return ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in table.items())
+
+
 def describe_stalls(name: str, found: dict) -> str:
     return f"{name} x{found['factor']:.3f}, {found['stalls']} stalls {found['stalled_ms']:.0f} ms"
 
@@ -165,7 +175,7 @@ class _OffThePath(Exception):
     """The simulated search asked for a rate the real search never ran."""
 
 
-def replayed_search(real: dict, models, replay, make_spec, n: int, slo: Slo) -> dict:
+def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict:
     """The goodput search once more, each rate simulated with the stalls of the real search's run at that rate
     (the same bisection: while the two agree on each rate, they try the same rates). Returns the goodput
     (None if the simulation passed or failed a rate the other way and asked for one never run for real) and
@@ -177,7 +187,7 @@ def replayed_search(real: dict, models, replay, make_spec, n: int, slo: Slo) -> 
     def run_at(rate: float) -> list:
         if rate not in by_rate:
             raise _OffThePath(rate)
-        replayed, _ = replay(models, real["calibration"], by_rate[rate])
+        replayed, _ = replay_run(by_rate[rate])
         results = simulate(make_spec(replayed), workload(n, rate, 200)).results()
         tried.append((rate, attained[rate], summarize(results, slo)["slo_attainment"]))
         return results
@@ -194,9 +204,10 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
     beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
     models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
     speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected").
-    ``replay(models, calibration, run) -> (models, found)``: the step models of the machine between its stalls,
-    at ``run``'s speed, with ``run``'s own stalls put back (:mod:`minipd.sim.stalls`), kept beside each row for
-    each of its two real runs ("stalls_replayed", "repeat_stalls_replayed"). ``scale(models, factor)``: every
+    ``replay(models, calibration) -> replay_run``, ``replay_run(run) -> (models, found)``: the step models of the
+    machine between its stalls (fitted once), at ``run``'s speed, with ``run``'s own stalls put back
+    (:mod:`minipd.sim.stalls`), kept beside each row for each of its two real runs ("stalls_replayed",
+    "repeat_stalls_replayed"). ``scale(models, factor)``: every
     step model ``factor`` times slower, for how much a 5% faster or slower machine moves each figure
     ("sensitivity": the relative change of each figure, the attainment's in points)."""
     capacity = real["capacity"]
@@ -205,6 +216,7 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
     if variant is not None:
         name, make_variant = variant
         variant_spec = make_variant(models)
+    replay_run = replay(models, real["calibration"]) if replay is not None else None
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
     for fraction, (first, again) in real["measured"].items():
@@ -227,10 +239,9 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
         # of the error is the simulator's, not the shared machine's drift between calibration and this run.
         at_speed, factors = rescale(models, [first])
         corrected = compare(first.results, simulate(make_spec(at_speed), items), slo)
-        rows[-1]["speed_corrected"] = {"factors": factors, **{key: {"sim": row["sim"], "error": row["error"]}
-                                                               for key, row in corrected.items()}}
-        print(f"  at the run's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): " + ", ".join(
-            f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in corrected.items()), flush=True)
+        rows[-1]["speed_corrected"] = {"factors": factors, **simulated_side(corrected)}
+        print(f"  at the run's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
+              + describe_errors(corrected), flush=True)
         if scale is not None:
             plain = summarize(simulated.results(), slo)
             rows[-1]["sensitivity"] = {}
@@ -241,20 +252,17 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
             print("  a machine 5% faster / slower: " + ", ".join(
                 f"{k} {rows[-1]['sensitivity'][str(SENSITIVITY[0])][k]:+.2f}/"
                 f"{rows[-1]['sensitivity'][str(SENSITIVITY[1])][k]:+.2f}" for k in table), flush=True)
-        if replay is not None:
+        if replay_run is not None:
             for key, run in (("stalls_replayed", first), ("repeat_stalls_replayed", again)):
-                replayed, found = replay(models, real["calibration"], run)
+                replayed, found = replay_run(run)
                 table_replayed = compare(run.results, simulate(make_spec(replayed), items), slo)
-                rows[-1][key] = {"found": found, **{k: {"sim": v["sim"], "error": v["error"]}
-                                                    for k, v in table_replayed.items()}}
+                rows[-1][key] = {"found": found, **simulated_side(table_replayed)}
                 stalls = ", ".join(describe_stalls(k, v) for k, v in found.items())
-                print(f"  {key.replace('_', ' ')} ({stalls}): " + ", ".join(
-                    f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in table_replayed.items()), flush=True)
+                print(f"  {key.replace('_', ' ')} ({stalls}): " + describe_errors(table_replayed), flush=True)
         if variant is not None:
             other = compare(first.results, simulate(variant_spec, items), slo)
-            rows[-1][name] = {key: {"sim": row["sim"], "error": row["error"]} for key, row in other.items()}
-            print(f"  {name}: " + ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in other.items()),
-                  flush=True)
+            rows[-1][name] = simulated_side(other)
+            print(f"  {name}: " + describe_errors(other), flush=True)
     sim_goodput, sim_tried = search(lambda r: simulate(spec, workload(n, r, 200)).results(), slo, capacity)
     goodput = {**real["goodput"], "sim": sim_goodput, "sim_tried": sim_tried}
     print(f"goodput real {goodput['real']:.2f}, real again {goodput['repeat']:.2f}, simulated {sim_goodput:.2f} req/s",
@@ -267,8 +275,8 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
         goodput["search_speed_factors"] = factors
         print(f"  at the real search's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
               f"simulated {goodput['sim_speed_corrected']:.2f} req/s", flush=True)
-    if replay is not None and real["searched"]:
-        goodput["sim_stalls_replayed"] = replayed_search(real, models, replay, make_spec, n, slo)
+    if replay_run is not None and real["searched"]:
+        goodput["sim_stalls_replayed"] = replayed_search(real, replay_run, make_spec, n, slo)
         print(f"  each real search run's own stalls replayed: {goodput['sim_stalls_replayed']}", flush=True)
     runs = {"calibration": [run.to_json() for run in real["calibration"]],
             "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()},
@@ -346,10 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         factor = speed_factor(model, [x for run in runs for x in timed_steps(run.steps)])
         return model.scaled(factor), {"engine": factor}
 
-    def replay_colocated(model, calibration, run):
-        replayed, found = replay_run_stalls(model, [x for r in calibration for x in timed_steps(r.steps)],
-                                            run.steps, run.start)
-        return replayed, {"engine": stall_figures(found)}
+    def replay_colocated(model, calibration):
+        between = fit_between_stalls(model, [x for r in calibration for x in timed_steps(r.steps)])
+
+        def replay_run(run):
+            replayed, found = replay_run_stalls(between, run.steps, run.start)
+            return replayed, {"engine": stall_figures(found)}
+
+        return replay_run
 
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
@@ -368,12 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         # finer at the small end than the colocated engine's, whose steps of up to 32 tokens take one thread.)
         decode_splits = (1, 4, 32, 128)
 
+        def role_steps(run, role):
+            return [s for s in run.steps if s.worker.startswith(role)]
+
         def fit_pd(runs):
             models, errors = {}, {}
             for role in ("prefill", "decode"):
                 samples, overlaps = [], []
                 for run in runs:
-                    mine = [s for s in run.steps if s.worker.startswith(role)]
+                    mine = role_steps(run, role)
                     others = [s for s in run.steps if s.worker and not s.worker.startswith(role)]
                     samples += timed_steps(mine)
                     overlaps += step_overlaps(mine, [others])
@@ -400,20 +415,27 @@ def main(argv: list[str] | None = None) -> int:
             errors["control"] = {"dispatch_s": models["control"][0], "output_s": models["control"][1]}
             return models, errors
 
-        def rescale_pd(models, runs):
-            factors = {role: speed_factor(models[role], [x for run in runs for x in timed_steps(
-                [s for s in run.steps if s.worker.startswith(role)])]) for role in ("prefill", "decode")}
-            return {**models, **{role: models[role].scaled(f) for role, f in factors.items()}}, factors
+        def scaled_pd(models, factors):
+            return {**models, **{role: models[role].scaled(f) for role, f in factors.items()}}
 
-        def replay_pd(models, calibration, run):
-            replayed, found = dict(models), {}
-            for role in ("prefill", "decode"):
-                samples = [x for r in calibration for x in timed_steps([s for s in r.steps
-                                                                        if s.worker.startswith(role)])]
-                replayed[role], stalls = replay_run_stalls(
-                    models[role], samples, [s for s in run.steps if s.worker.startswith(role)], run.start)
-                found[role] = stall_figures(stalls)
-            return replayed, found
+        def rescale_pd(models, runs):
+            factors = {role: speed_factor(models[role], [x for run in runs for x in timed_steps(role_steps(run, role))])
+                       for role in ("prefill", "decode")}
+            return scaled_pd(models, factors), factors
+
+        def replay_pd(models, calibration):
+            between = {role: fit_between_stalls(models[role], [x for r in calibration
+                                                               for x in timed_steps(role_steps(r, role))])
+                       for role in ("prefill", "decode")}
+
+            def replay_run(run):
+                replayed, found = dict(models), {}
+                for role in ("prefill", "decode"):
+                    replayed[role], stalls = replay_run_stalls(between[role], role_steps(run, role), run.start)
+                    found[role] = stall_figures(stalls)
+                return replayed, found
+
+            return replay_run
 
         def pd_spec(models, shared_cores=False):
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
@@ -437,9 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
                                     variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)),
-                                    replay=replay_pd, scale=lambda models, factor: {
-                                        **models, **{role: models[role].scaled(factor)
-                                                     for role in ("prefill", "decode")}}))
+                                    replay=replay_pd, scale=lambda models, factor: scaled_pd(
+                                        models, dict.fromkeys(("prefill", "decode"), factor))))
         report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}
     if args.runs_out:

@@ -48,28 +48,28 @@ def summary(report: dict, label: str) -> dict:
     return out
 
 
+def _verdict(table: dict, **also) -> dict:
+    """Whether a compared table (a row, or a second simulation kept in it) is within every target, what else is
+    kept beside (``also``), and its errors."""
+    return {"within_targets": within_targets(table), **also, "errors": {k: table[k]["error"] for k in TARGETS}}
+
+
 def _load(row: dict) -> dict:
     """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
     alone moves them); and, in reports that have them, the same at the speed the machine ran the real run, and
     with each real run's own stalls replayed (against that run), and how much a 5% faster or slower machine moves
     each simulated figure."""
-    load = {"within_targets": within_targets(row), "errors": {k: row[k]["error"] for k in TARGETS},
-            "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
+    load = {**_verdict(row), "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
     for key in ("steps", "sensitivity"):  # (steps per role: real, repeat, simulated; a machine 5% faster/slower)
         if key in row:
             load[key] = row[key]
     if "speed_corrected" in row:
-        corrected = row["speed_corrected"]
-        load["at_speed"] = {"within_targets": within_targets(corrected), "factors": corrected["factors"],
-                            "errors": {k: corrected[k]["error"] for k in TARGETS}}
+        load["at_speed"] = _verdict(row["speed_corrected"], factors=row["speed_corrected"]["factors"])
     if "shared_cores" in row:  # (1P1D: the variant whose workers slow each other down on the shared cores)
-        load["shared_cores"] = {"within_targets": within_targets(row["shared_cores"]),
-                                "errors": {k: row["shared_cores"][k]["error"] for k in TARGETS}}
+        load["shared_cores"] = _verdict(row["shared_cores"])
     for key in ("stalls_replayed", "repeat_stalls_replayed"):  # each real run, its own stalls put back
         if key in row:
-            replayed = row[key]
-            load[key] = {"within_targets": within_targets(replayed), "found": replayed["found"],
-                         "errors": {k: replayed[k]["error"] for k in TARGETS}}
+            load[key] = _verdict(row[key], found=row[key]["found"])
     return load
 
 
