@@ -136,3 +136,47 @@ def test_a_failing_fake_executor_rolls_the_step_back():
     while sim.has_unfinished_requests():
         got += [t for o in sim.step().outputs for t in o.new_token_ids]
     assert got == [7, 7] and scheduler.block_manager.num_used_blocks == 0
+
+
+def test_each_step_records_how_long_it_waited_for_a_core():
+    # A fake run-delay counter that grows by 2 ms during each step's execution and 1 ms between steps: each
+    # record keeps the growth over its own step only.
+    scheduler = Scheduler(BlockManager(8, 4), 16, 4)
+    clock, delay = FakeClock(0.0), [0.0]
+
+    class Waiting:
+        def execute(self, batch):
+            delay[0] += 0.002
+            clock.now += 0.005
+            sampled = [r for r, n in batch.entries if r.samples_after(n)]
+            return StepResult(sampled, [7] * len(sampled), [None] * len(sampled), {})
+
+    def run_delay():
+        delay[0] += 0.0005  # (read before and after each step: 1 ms between steps in all)
+        return delay[0]
+
+    sim = StepCore(scheduler, Waiting(), 64, clock=clock, run_delay=run_delay)
+    sim.add_request(Request("a", [1, 2, 3, 4, 5], 5, SamplingParams(max_tokens=3, ignore_eos=True), 0,
+                            frozenset(), 64, 0.0))
+    while sim.has_unfinished_requests():
+        sim.step()
+    assert [s.cpu_wait for s in sim.step_stats] == pytest.approx([0.0025] * 3)
+    # Without a counter (a simulator's steps) nothing is measured.
+    plain = StepCore(Scheduler(BlockManager(8, 4), 16, 4), Waiting(), 64, clock=clock)
+    plain.add_request(Request("b", [1, 2, 3], 3, SamplingParams(max_tokens=1, ignore_eos=True), 0, frozenset(), 64,
+                              0.0))
+    plain.step()
+    assert [s.cpu_wait for s in plain.step_stats] == [None]
+
+
+def test_the_engines_steps_carry_their_measured_wait_for_a_core():
+    import sys
+
+    llm = LLM("tiny-py")
+    llm.generate(["def add(a, b):"] * 3, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    waits = [s.cpu_wait for s in llm.engine.core.step_stats]
+    if sys.platform == "linux":
+        assert all(w is not None and 0.0 <= w <= s.duration + 1e-3
+                   for w, s in zip(waits, llm.engine.core.step_stats, strict=True)), waits
+    else:
+        assert set(waits) == {None}

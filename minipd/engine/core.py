@@ -31,6 +31,7 @@ from minipd.engine.host_memory import keep_freed_memory
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.model_setup import set_linear_backend, set_moe_layers, set_weight_dtype
 from minipd.engine.request import Request, RequestStatus
+from minipd.engine.run_delay import thread_run_delay
 from minipd.engine.scheduler import ScheduledBatch, Scheduler
 from minipd.engine.step_core import StepCore
 from minipd.engine.threads import SMALL_STEP_TOKENS, StepThreads, threads_for_step
@@ -117,7 +118,9 @@ class EngineCore(StepCore):
         self.runner = ModelRunner(model, self.pool, self.kernels, config.max_num_batched_tokens,
                                   config.max_num_seqs, max_model_len,
                                   attention_observer=None if self.evictor is None else self.evictor.attention_observer)
-        super().__init__(scheduler, self.runner, max_model_len, clock=clock, stats_history=config.stats_history)
+        # (Waits for a core are measured on the machine's clock only: a test's clock has none.)
+        super().__init__(scheduler, self.runner, max_model_len, clock=clock, stats_history=config.stats_history,
+                         run_delay=thread_run_delay if clock is time.perf_counter else None)
         #: Whether decode steps are compiled, and why (``compile_decode="auto"`` resolved): for describe().
         self.compile_choice = self._choose_compile()
         if self.compile_choice[0]:

@@ -48,6 +48,10 @@ class StepStats:
     router_entropy: tuple[float, ...] = ()
     #: Disaggregated serving: the worker that ran the step ("" for a colocated engine).
     worker: str = ""
+    #: Seconds of :attr:`duration` the stepping thread was ready to run but waited for a core (Linux's run
+    #: delay: other processes had the machine's cores); None where the operating system does not say, and in a
+    #: simulation. ``duration - cpu_wait`` is the step's own time on a core (and its torch threads').
+    cpu_wait: float | None = None
 
     @property
     def num_tokens(self) -> int:

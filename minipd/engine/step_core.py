@@ -82,15 +82,20 @@ class StepCore:
         clock: seconds, monotonic (``time.perf_counter`` by default; a simulator passes its own).
         stats_history: how many recent :class:`StepStats` records are kept (0, with no
             :attr:`step_callbacks`: none is built, as in the simulator, which steps millions of times).
+        run_delay: the stepping thread's seconds spent waiting for a core so far, or None where unknown
+            (:func:`~minipd.engine.run_delay.thread_run_delay`); each record's ``cpu_wait`` is its growth over
+            the step. None (a simulator's default): not measured.
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor, max_model_len: int, *,
-                 clock: Callable[[], float] = time.perf_counter, stats_history: int = 10_000) -> None:
+                 clock: Callable[[], float] = time.perf_counter, stats_history: int = 10_000,
+                 run_delay: Callable[[], float | None] | None = None) -> None:
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         self.executor = executor
         self.max_model_len = max_model_len
         self.clock = clock
+        self.run_delay = run_delay
         #: Live requests (waiting, running, waiting for K/V, or finished but holding K/V), by id.
         self.requests: dict[str, Request] = {}
         #: The most recent steps' records (a ring buffer: a long-running service does not grow).
@@ -163,6 +168,8 @@ class StepCore:
         self._raise_failure()
         self._before_step()
         start = self.clock()
+        recording = bool(self.step_stats.maxlen or self.step_callbacks)
+        waited = self.run_delay() if recording and self.run_delay is not None else None
         batch = self.scheduler.schedule()
         try:
             batch = self._with_arrivals(batch)
@@ -200,15 +207,18 @@ class StepCore:
                                         scored or None))
         # The step's tokens exist from here on: nothing below may lose them.
         self._after_tokens(batch)
-        if not self.step_stats.maxlen and not self.step_callbacks:
+        if not recording:
             self.num_steps += 1  # (no one would read the record)
         else:
-            self._record_step(start, now, batch, update)
+            waited_after = self.run_delay() if waited is not None else None
+            cpu_wait = None if waited is None or waited_after is None else max(0.0, waited_after - waited)
+            self._record_step(start, now, batch, update, cpu_wait)
         if not self.has_unfinished_requests():
             self._run_ended()
         return EngineCoreOutputs(outputs, now, batch.num_tokens)
 
-    def _record_step(self, start: float, now: float, batch: ScheduledBatch, update: StepUpdate) -> None:
+    def _record_step(self, start: float, now: float, batch: ScheduledBatch, update: StepUpdate,
+                     cpu_wait: float | None = None) -> None:
         try:
             bm, sched = self.block_manager, self.scheduler
             self._record(StepStats(
@@ -220,7 +230,7 @@ class StepCore:
                 num_waiting_for_kv=len(sched.waiting_for_kv), num_context_tokens=update.num_context_tokens,
                 prefill_chunk_sizes=update.prefill_chunk_sizes,
                 prefill_chunk_contexts=update.prefill_chunk_contexts, prefix_queried_tokens=bm.stats.queried_tokens,
-                prefix_hit_tokens=bm.stats.hit_tokens, **self._extra_stats()))
+                prefix_hit_tokens=bm.stats.hit_tokens, cpu_wait=cpu_wait, **self._extra_stats()))
         except Exception as err:
             self._keep_failure(err, "recording the step's statistics failed")
 
