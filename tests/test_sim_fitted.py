@@ -79,3 +79,23 @@ def test_a_runs_speed_factor_rescales_the_model_to_that_run():
         model.scaled(0.0)
     with pytest.raises(ValueError, match="no measured step"):
         speed_factor(model, [(StepWork(), 1.0)])
+
+
+def test_steps_timed_on_a_core_leave_out_their_wait_for_one():
+    import dataclasses
+
+    from minipd.engine.stats import StepStats
+    from minipd.sim.fitted import timed_steps
+
+    def step(start: float, duration: float, wait: float | None, busy: bool = True) -> StepStats:
+        return StepStats(start_time=start, duration=duration, num_prefill_tokens=10, num_decode_tokens=0,
+                         num_running=int(busy), num_waiting=0, kv_blocks_used=0, kv_blocks_free=0, prefix_hit_rate=0.0,
+                         num_preemptions=0, num_context_tokens=10, prefill_chunk_sizes=(10,),
+                         prefill_chunk_contexts=(10,), cpu_wait=wait)
+
+    # Back to back (each step's time runs to the next one's start), then idle after the last.
+    steps = [step(0.0, 0.004, 0.001), step(0.005, 0.003, 0.0), step(0.010, 0.002, 0.0015, busy=False)]
+    assert [t for _, t in timed_steps(steps)] == pytest.approx([0.005, 0.005, 0.002])
+    assert [t for _, t in timed_steps(steps, on_core=True)] == pytest.approx([0.004, 0.005, 0.0005])
+    with pytest.raises(ValueError, match="no measured wait for a core"):
+        timed_steps([steps[0], dataclasses.replace(steps[1], cpu_wait=None)], on_core=True)

@@ -15,6 +15,7 @@ from minipd.sim.stalls import (
     find_stalls,
     fit_between_stalls,
     replay_run_stalls,
+    replay_run_waits,
     without_stalls,
 )
 
@@ -110,3 +111,30 @@ def test_a_run_is_replayed_at_its_speed_between_stalls_with_its_own_stalls():
                                                                 steps[20].start_time - origin])
     # Between stalls the replayed model gives the run's own step times.
     assert replayed.model.step_time(steps[3].work) == pytest.approx(1.1 * seconds(steps[3].num_prefill_tokens))
+
+
+def test_a_run_is_replayed_from_the_waits_for_a_core_its_engine_measured():
+    # Steps of 2 ms + 20 µs a prompt token on a core, this run 5% slower there; every third step also waited
+    # 1-3 ms for a core (other processes had it), which the engine measured.
+    import dataclasses
+
+    def on_core(tokens: int) -> float:
+        return 0.002 + 2e-5 * tokens
+
+    model = FittedStepTime((), ((0.002, 2e-5, 0.0, 0.0, 0.0),))
+    origin, start, steps = 5.0, 5.0, []
+    for i, n in enumerate(range(16, 256, 8)):
+        wait = 0.001 * (1 + i % 3) if i % 3 == 0 else 0.0
+        took = 1.05 * on_core(n) + wait
+        steps.append(dataclasses.replace(_step(start, took, tokens=n, busy=i < 29), cpu_wait=wait))
+        start += took
+    replayed, found = replay_run_waits(model, steps, origin)
+    assert found.factor == pytest.approx(1.05, rel=1e-6)
+    waited = [s for s in steps if s.cpu_wait]
+    assert found.stalls == len(waited) == 10 and found.stalled_s == pytest.approx(0.010)
+    # Each wait sits in the middle of its step, with the run's own time on a core around it.
+    assert [x.start for x in replayed.stalls] == pytest.approx(
+        [s.start_time - origin + (s.duration - s.cpu_wait) / 2 for s in waited])
+    assert replayed.model.step_time(steps[4].work) == pytest.approx(1.05 * on_core(steps[4].num_prefill_tokens))
+    with pytest.raises(ValueError, match="no measured wait"):
+        replay_run_waits(model, [dataclasses.replace(steps[0], cpu_wait=None)], origin)

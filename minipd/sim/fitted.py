@@ -171,10 +171,13 @@ def speed_factor(model: FittedStepTime, samples: Sequence[tuple[StepWork, float]
     return sum(t for _, t in kept) / predicted
 
 
-def timed_steps(steps: Sequence[StepStats]) -> list[tuple[StepWork, float]]:
-    """A run's steps (in order) as ``(work, seconds)``, timed as :func:`cycle_times` counts them."""
+def timed_steps(steps: Sequence[StepStats], on_core: bool = False) -> list[tuple[StepWork, float]]:
+    """A run's steps (in order) as ``(work, seconds)``, timed as :func:`cycle_times` counts them; ``on_core``: less
+    the time each step's thread waited for a core (:attr:`StepStats.cpu_wait`; a ValueError if a step has none)."""
     steps = list(steps)
-    return [(s.work, t) for s, t in zip(steps, cycle_times(steps), strict=True)]
+    if on_core and any(s.cpu_wait is None for s in steps):
+        raise ValueError("a step has no measured wait for a core (cpu_wait): not measured on this system or run")
+    return [(s.work, t - (s.cpu_wait or 0.0) if on_core else t) for s, t in zip(steps, cycle_times(steps), strict=True)]
 
 
 def held_out_split(samples: Sequence[tuple[StepWork, float]], every: int = 5

@@ -10,6 +10,10 @@ threshold is a stall of that excess, at the step's start. :class:`StallingStepTi
 simulation at the same moments: a simulated step that spans a stall's start lasts that much longer, and one
 that starts during a stall waits for its end. :func:`without_stalls` leaves them out of the samples a model is
 fitted to (:func:`fit_between_stalls`), so that the replayed stalls are not counted twice.
+
+Where the engine measured how long each step waited for a core (:attr:`~minipd.engine.stats.StepStats.cpu_wait`,
+the time other processes had the cores), those waits need not be inferred: :func:`replay_run_waits` puts each
+one back in the middle of its step, on a model of the steps' time on a core.
 """
 
 from __future__ import annotations
@@ -130,5 +134,21 @@ def replay_run_stalls(between: FittedStepTime, steps: Sequence[StepStats], origi
     return StallingStepTime(at_speed, stalls), RunStalls(factor, len(stalls), sum(s.duration for s in stalls))
 
 
+
+def replay_run_waits(on_core: FittedStepTime, steps: Sequence[StepStats], origin: float
+                     ) -> tuple[StallingStepTime, RunStalls]:
+    """A step model to simulate one real run of ``steps`` with, from the waits for a core the engine measured:
+    ``on_core`` (a model of the steps' time on a core, fitted to ``timed_steps(..., on_core=True)`` of calibration
+    runs) at the speed this run's steps ran on a core, with each step's wait put back as a stall in the middle of
+    the step (seconds from ``origin``): the process was off its core then, whatever it computed. (A wait is many
+    small ones spread over its step; the middle keeps a simulated step that starts a little earlier or later than
+    the real one paying all of it.) A ValueError if a step has no measured wait."""
+    steps = list(steps)
+    factor = speed_factor(on_core, timed_steps(steps, on_core=True))
+    stalls = [Stall(s.start_time - origin + (s.duration - s.cpu_wait) / 2, s.cpu_wait) for s in steps if s.cpu_wait]
+    return StallingStepTime(on_core.scaled(factor), stalls), RunStalls(factor, len(stalls),
+                                                                        sum(x.duration for x in stalls))
+
+
 __all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "find_stalls", "fit_between_stalls",
-           "replay_run_stalls", "without_stalls"]
+           "replay_run_stalls", "replay_run_waits", "without_stalls"]
