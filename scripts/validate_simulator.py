@@ -6,18 +6,23 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
 2. calibration runs at 30%, 60% and 95% of capacity (their own seeds, each just before step 3's runs at its
    load) fit the step-time models (``FittedStepTime``; per worker for 1P1D, the KV link from the measured
    transfers, and the control messages' latency between the front end and the workers); held-out steps give
-   the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine);
+   the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine), on the steps'
+   wall times and on their time on a core (each step's wait for one, which the engine measures, left out);
 3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
-   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment (1P1D: the K/V pushed as the
+   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment, and the share of each engine's or
+   worker's step time spent waiting for a core (1P1D: the K/V pushed as the
    engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down on
    the shared cores: ``minipd.sim.sharing``); and once more with the step models at the speed the machine ran that
    real run (one factor per engine or worker, ``minipd.sim.fitted.speed_factor``): a shared machine's speed drifts
    by 10-20% over minutes, and this separates that drift from the simulator's own error; once more for each
    real run and its repeat with that run's own stalls put back (``minipd.sim.stalls``: the machine between its
-   stops at the run's speed, the stops where they were: what is left is the simulator's); and on a machine 5%
-   faster and 5% slower (how much each figure moves with the speed alone);
+   stops at the run's speed, the stops where they were: what is left is the simulator's); once more for each
+   with the waits for a core the engine measured put back in their steps, on a model of the steps' time on a core
+   (``replay_run_waits``: measured, where the stalls are inferred); and on a machine 5% faster and 5% slower (how
+   much each figure moves with the speed alone);
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
-   simulator (also at the speed of the first real search's runs, and with each of those runs' stalls).
+   simulator (also at the speed of the first real search's runs, and with each of those runs' stalls, and their
+   waits for a core).
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
@@ -53,7 +58,7 @@ from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
-from minipd.sim.stalls import RunStalls, fit_between_stalls, replay_run_stalls, without_stalls
+from minipd.sim.stalls import RunStalls, fit_between_stalls, replay_run_stalls, replay_run_waits, without_stalls
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
@@ -152,8 +157,34 @@ def between_stalls(model: FittedStepTime, samples: list) -> dict:
             "stalled_share": 1 - len(kept) / len(samples)}
 
 
+def on_core(runs_steps: list[list], splits) -> dict | None:
+    """The step model fitted to each step's time on a core (its thread's wait for one left out,
+    ``StepStats.cpu_wait``): held-out MAPE and noise floor, as for the wall times, and the share of the steps'
+    time spent waiting for a core; None for runs made before the waits were measured."""
+    try:
+        samples = [x for steps in runs_steps for x in timed_steps(steps, on_core=True)]
+    except ValueError:
+        return None
+    wall = sum(t for steps in runs_steps for _, t in timed_steps(steps))
+    train, test = held_out_split(samples)
+    return {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
+            "wait_share": 1.0 - sum(t for _, t in samples) / wall}
+
+
+def wait_shares(run: RealRun) -> dict[str, float] | None:
+    """The share of each engine's or worker role's step time spent waiting for a core in ``run``; None for a run
+    made before the waits were measured."""
+    if any(s.cpu_wait is None for s in run.steps):
+        return None
+    groups: dict[str, list] = {}
+    for s in run.steps:
+        groups.setdefault(s.worker.rstrip("0123456789") or "engine", []).append(s)
+    return {name: sum(s.cpu_wait for s in steps) / sum(t for _, t in timed_steps(steps))
+            for name, steps in groups.items()}
+
+
 def stall_figures(found: RunStalls) -> dict:
-    """What :func:`~minipd.sim.stalls.replay_run_stalls` found, as the report keeps it."""
+    """What :func:`~minipd.sim.stalls.replay_run_stalls` (or ``replay_run_waits``) found, as the report keeps it."""
     return {"factor": found.factor, "stalls": found.stalls, "stalled_ms": found.stalled_s * 1e3}
 
 
@@ -167,8 +198,8 @@ def describe_errors(table: dict) -> str:
     return ", ".join(f"{k} {v['sim']:.3g} ({v['error']:+.2f})" for k, v in table.items())
 
 
-def describe_stalls(name: str, found: dict) -> str:
-    return f"{name} x{found['factor']:.3f}, {found['stalls']} stalls {found['stalled_ms']:.0f} ms"
+def describe_stalls(name: str, found: dict, kind: str = "stalls") -> str:
+    return f"{name} x{found['factor']:.3f}, {found['stalls']} {kind} {found['stalled_ms']:.0f} ms"
 
 
 class _OffThePath(Exception):
@@ -176,7 +207,8 @@ class _OffThePath(Exception):
 
 
 def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict:
-    """The goodput search once more, each rate simulated with the stalls of the real search's run at that rate
+    """The goodput search once more, each rate simulated with the stalls (or waits for a core) of the real search's
+    run at that rate
     (the same bisection: while the two agree on each rate, they try the same rates). Returns the goodput
     (None if the simulation passed or failed a rate the other way and asked for one never run for real) and
     every (rate, real attainment, simulated attainment)."""
@@ -199,15 +231,17 @@ def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict
     return {"goodput": goodput, "tried": tried}
 
 
-def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replay=None, scale=None) -> dict:
+def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replays=None, scale=None) -> dict:
     """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
     beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
     models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
     speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected").
-    ``replay(models, calibration) -> replay_run``, ``replay_run(run) -> (models, found)``: the step models of the
-    machine between its stalls (fitted once), at ``run``'s speed, with ``run``'s own stalls put back
-    (:mod:`minipd.sim.stalls`), kept beside each row for each of its two real runs ("stalls_replayed",
-    "repeat_stalls_replayed"). ``scale(models, factor)``: every
+    ``replays``: by name, ``replay(models, calibration) -> replay_run`` (None when the runs cannot be replayed so),
+    ``replay_run(run) -> (models, found)``: "stalls", the step models of the machine between its stalls (fitted
+    once), at ``run``'s speed, with ``run``'s own stalls put back (:mod:`minipd.sim.stalls`); "waits", the models
+    of the steps' time on a core with each step's measured wait for one put back; each kept beside each row for
+    each of its two real runs ("stalls_replayed", "repeat_stalls_replayed", ...) and run through the goodput
+    search ("sim_stalls_replayed", ...). ``scale(models, factor)``: every
     step model ``factor`` times slower, for how much a 5% faster or slower machine moves each figure
     ("sensitivity": the relative change of each figure, the attainment's in points)."""
     capacity = real["capacity"]
@@ -216,7 +250,8 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
     if variant is not None:
         name, make_variant = variant
         variant_spec = make_variant(models)
-    replay_run = replay(models, real["calibration"]) if replay is not None else None
+    replay_runs = {kind: replay(models, real["calibration"]) for kind, replay in (replays or {}).items()}
+    replay_runs = {kind: replay_run for kind, replay_run in replay_runs.items() if replay_run is not None}
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
     for fraction, (first, again) in real["measured"].items():
@@ -233,8 +268,14 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
                  "repeat": step_counts(Counter(s.worker for s in again.steps)),
                  "sim": step_counts({name: stats.steps for name, stats in simulated.instances.items()})}
         rows.append({"fraction": fraction, "rate": rate, **table, "steps": steps})
+        waits = {"real": wait_shares(first), "repeat": wait_shares(again)}
+        if waits["real"] is not None:
+            rows[-1]["cpu_wait"] = waits
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
+        if waits["real"] is not None:
+            print("  step time spent waiting for a core, real/again: " + ", ".join(
+                f"{k} {v:.1%}/{waits['repeat'].get(k, 0.0):.1%}" for k, v in waits["real"].items()), flush=True)
         # The same models at the speed the machine ran this run (one factor per engine or worker): what is left
         # of the error is the simulator's, not the shared machine's drift between calibration and this run.
         at_speed, factors = rescale(models, [first])
@@ -252,12 +293,12 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
             print("  a machine 5% faster / slower: " + ", ".join(
                 f"{k} {rows[-1]['sensitivity'][str(SENSITIVITY[0])][k]:+.2f}/"
                 f"{rows[-1]['sensitivity'][str(SENSITIVITY[1])][k]:+.2f}" for k in table), flush=True)
-        if replay_run is not None:
-            for key, run in (("stalls_replayed", first), ("repeat_stalls_replayed", again)):
+        for kind, replay_run in replay_runs.items():
+            for key, run in ((f"{kind}_replayed", first), (f"repeat_{kind}_replayed", again)):
                 replayed, found = replay_run(run)
                 table_replayed = compare(run.results, simulate(make_spec(replayed), items), slo)
                 rows[-1][key] = {"found": found, **simulated_side(table_replayed)}
-                stalls = ", ".join(describe_stalls(k, v) for k, v in found.items())
+                stalls = ", ".join(describe_stalls(k, v, kind) for k, v in found.items())
                 print(f"  {key.replace('_', ' ')} ({stalls}): " + describe_errors(table_replayed), flush=True)
         if variant is not None:
             other = compare(first.results, simulate(variant_spec, items), slo)
@@ -275,9 +316,9 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
         goodput["search_speed_factors"] = factors
         print(f"  at the real search's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
               f"simulated {goodput['sim_speed_corrected']:.2f} req/s", flush=True)
-    if replay_run is not None and real["searched"]:
-        goodput["sim_stalls_replayed"] = replayed_search(real, replay_run, make_spec, n, slo)
-        print(f"  each real search run's own stalls replayed: {goodput['sim_stalls_replayed']}", flush=True)
+    for kind, replay_run in replay_runs.items() if real["searched"] else ():
+        goodput[f"sim_{kind}_replayed"] = replayed_search(real, replay_run, make_spec, n, slo)
+        print(f"  each real search run's own {kind} replayed: {goodput[f'sim_{kind}_replayed']}", flush=True)
     runs = {"calibration": [run.to_json() for run in real["calibration"]],
             "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()},
             "searched": [run.to_json() for run in real["searched"]]}
@@ -348,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         train, test = held_out_split(samples)
         model = FittedStepTime.fit(samples, splits, source=f"tiny-py colocated, {report['machine']}")
         return model, {"mape": FittedStepTime.fit(train, splits).mape(test), "noise_floor": noise_floor(samples),
-                       "model": model.describe(), "between_stalls": between_stalls(model, samples)}
+                       "model": model.describe(), "between_stalls": between_stalls(model, samples),
+                       "on_core": on_core([run.steps for run in runs], splits)}
 
     def rescale_colocated(model, runs):
         factor = speed_factor(model, [x for run in runs for x in timed_steps(run.steps)])
@@ -363,9 +405,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return replay_run
 
+    def replay_colocated_waits(model, calibration):
+        try:
+            samples = [x for r in calibration for x in timed_steps(r.steps, on_core=True)]
+        except ValueError:
+            return None  # (runs made before the engine measured its waits for a core)
+        on_core_model = FittedStepTime.fit(samples, model.splits, source=model.source)
+
+        def replay_run(run):
+            replayed, found = replay_run_waits(on_core_model, run.steps, run.start)
+            return replayed, {"engine": stall_figures(found)}
+
+        return replay_run
+
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
-                                     rescale_colocated, args.num_requests, slo, replay=replay_colocated,
+                                     rescale_colocated, args.num_requests, slo,
+                                     replays={"stalls": replay_colocated, "waits": replay_colocated_waits},
                                      scale=lambda model, factor: model.scaled(factor)))
     # (Simulated again: the engine the runs were made with.)
     report["colocated"]["engine"] = repr(llm) if earlier is None else earlier["colocated"]["engine"]
@@ -404,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors[role] = {"mape": FittedStepTime.fit(train_samples, ranges).mape(test_samples),
                                 "noise_floor": noise_floor(samples), "model": models[role].describe(),
                                 "between_stalls": between_stalls(models[role], samples),
+                                "on_core": on_core([role_steps(run, role) for run in runs], ranges),
                                 "shared_cores": {
                                     "mape": float(np.abs(shared_errors(*held, test_samples,
                                                                        [o for _, o in test])).mean()),
@@ -437,6 +494,23 @@ def main(argv: list[str] | None = None) -> int:
 
             return replay_run
 
+        def replay_pd_waits(models, calibration):
+            try:
+                on_core_models = {role: FittedStepTime.fit(
+                    [x for r in calibration for x in timed_steps(role_steps(r, role), on_core=True)],
+                    models[role].splits, source=models[role].source) for role in ("prefill", "decode")}
+            except ValueError:
+                return None  # (runs made before the engine measured its waits for a core)
+
+            def replay_run(run):
+                replayed, found = dict(models), {}
+                for role in ("prefill", "decode"):
+                    replayed[role], waits = replay_run_waits(on_core_models[role], role_steps(run, role), run.start)
+                    found[role] = stall_figures(waits)
+                return replayed, found
+
+            return replay_run
+
         def pd_spec(models, shared_cores=False):
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}
 
@@ -459,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
                                     variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)),
-                                    replay=replay_pd, scale=lambda models, factor: scaled_pd(
+                                    replays={"stalls": replay_pd, "waits": replay_pd_waits},
+                                    scale=lambda models, factor: scaled_pd(
                                         models, dict.fromkeys(("prefill", "decode"), factor))))
         report["1p1d"]["engine"] = repr(pd) if earlier is None else earlier["1p1d"]["engine"]
     runs = {label: report[label].pop("runs") for label in ("colocated", "1p1d")}

@@ -34,7 +34,7 @@ def summary(report: dict, label: str) -> dict:
     out = {"label": label, "machine": report["machine"], "date": report["date"],
            "simulated_again": report.get("simulated_again"), "simulator": report.get("simulator"),
            "step_model": {name: {"mape": m["mape"], "noise_floor": m["noise_floor"],
-                                 **({"between_stalls": m["between_stalls"]} if "between_stalls" in m else {})}
+                                 **{k: m[k] for k in ("between_stalls", "on_core") if m.get(k) is not None}}
                           for name, m in models.items()}}
     for engine in ENGINES:
         entry = report[engine]
@@ -42,7 +42,7 @@ def summary(report: dict, label: str) -> dict:
         out[engine] = {
             "capacity": entry["capacity"],
             "goodput": {k: goodput[k] for k in ("real", "repeat", "sim", "sim_speed_corrected", "real_tried",
-                                                "sim_stalls_replayed") if k in goodput},
+                                                "sim_stalls_replayed", "sim_waits_replayed") if k in goodput},
             "loads": {str(row["fraction"]): _load(row) for row in entry["rows"]},
         }
     return out
@@ -57,17 +57,20 @@ def _verdict(table: dict, **also) -> dict:
 def _load(row: dict) -> dict:
     """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
     alone moves them); and, in reports that have them, the same at the speed the machine ran the real run, and
-    with each real run's own stalls replayed (against that run), and how much a 5% faster or slower machine moves
-    each simulated figure."""
+    with each real run's own stalls replayed (against that run), with its measured waits for a core replayed, how
+    much a 5% faster or slower machine moves each simulated figure, and the share of step time spent waiting for a
+    core."""
     load = {**_verdict(row), "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
-    for key in ("steps", "sensitivity"):  # (steps per role: real, repeat, simulated; a machine 5% faster/slower)
+    # (Steps per role: real, repeat, simulated; a machine 5% faster/slower; the step time spent waiting for a core.)
+    for key in ("steps", "sensitivity", "cpu_wait"):
         if key in row:
             load[key] = row[key]
     if "speed_corrected" in row:
         load["at_speed"] = _verdict(row["speed_corrected"], factors=row["speed_corrected"]["factors"])
     if "shared_cores" in row:  # (1P1D: the variant whose workers slow each other down on the shared cores)
         load["shared_cores"] = _verdict(row["shared_cores"])
-    for key in ("stalls_replayed", "repeat_stalls_replayed"):  # each real run, its own stalls put back
+    # Each real run with its own stalls put back; with its measured waits for a core put back.
+    for key in ("stalls_replayed", "repeat_stalls_replayed", "waits_replayed", "repeat_waits_replayed"):
         if key in row:
             load[key] = _verdict(row[key], found=row[key]["found"])
     return load

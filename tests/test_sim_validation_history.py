@@ -119,3 +119,27 @@ def test_the_history_keeps_the_stall_replays_the_sensitivity_and_the_shared_core
     assert load["repeat_stalls_replayed"]["within_targets"] is False
     assert load["repeat_stalls_replayed"]["errors"]["median_ttft_ms"] == 0.12
     assert sum("stalls_replayed" in v for v in loads.values()) == 1
+
+
+def test_the_history_keeps_the_errors_on_core_each_runs_wait_for_a_core_and_its_replay(tmp_path):
+    report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    on_core = {"mape": 0.06, "noise_floor": 0.043, "wait_share": 0.22}
+    report["1p1d"]["step_model"]["prefill"]["on_core"] = on_core
+    report["1p1d"]["step_model"]["decode"]["on_core"] = None  # (runs made before waits were measured)
+    waits = {"real": {"prefill": 0.2, "decode": 0.04}, "repeat": {"prefill": 0.25, "decode": 0.05}}
+    report["1p1d"]["rows"][2]["cpu_wait"] = waits
+    found = {"prefill": {"factor": 0.97, "stalls": 60, "stalled_ms": 500.0}}
+    report["1p1d"]["rows"][2]["waits_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.02} for k in TARGETS}}
+    report["1p1d"]["goodput"]["sim_waits_replayed"] = {"goodput": 80.0, "tried": [[50.0, 0.95, 0.97]]}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
+    run = json.loads((tmp_path / "h.json").read_text())["runs"][0]
+    assert run["step_model"]["prefill"]["on_core"] == on_core
+    assert "on_core" not in run["step_model"]["decode"] and "on_core" not in run["step_model"]["colocated"]
+    loads = run["1p1d"]["loads"]
+    load = loads[str(report["1p1d"]["rows"][2]["fraction"])]
+    assert load["cpu_wait"] == waits
+    assert load["waits_replayed"] == {"within_targets": True, "found": found, "errors": dict.fromkeys(TARGETS, 0.02)}
+    assert sum("cpu_wait" in v for v in loads.values()) == sum("waits_replayed" in v for v in loads.values()) == 1
+    assert run["1p1d"]["goodput"]["sim_waits_replayed"]["goodput"] == 80.0
