@@ -8,8 +8,10 @@ its workers in time and shuts them down, also when it fails.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -145,6 +147,20 @@ def test_torch_distributed_transport_gives_the_same_outputs_in_every_mode(llm):
         assert {s.worker for s in stats} == {"prefill0", "decode0"} and pd.core.num_steps == len(stats)
         assert sum(s.num_prefill_tokens for s in stats if s.worker == "prefill0") > 0
         assert sum(s.num_decode_tokens for s in stats if s.worker == "decode0") > 0
+        # Each worker measured its loop's own work before each step: never more than the time since its previous
+        # step ended; all of it while the worker still had requests running (it never waited for a message then).
+        # Both are on the worker's clock (perf_counter: one clock for every process of the machine).
+        for worker in ("prefill0", "decode0"):
+            mine = [s for s in stats if s.worker == worker]
+            assert all(s.overhead_before is not None and s.overhead_before >= 0 for s in mine), worker
+            pairs = list(itertools.pairwise(mine))
+            assert all(b.overhead_before <= b.start_time - (a.start_time + a.duration) + 1e-6 for a, b in pairs)
+            running = [(a, b) for a, b in pairs if a.num_running > 0]
+            assert worker == "prefill0" or running
+            assert all(b.overhead_before == pytest.approx(b.start_time - (a.start_time + a.duration), abs=1e-6)
+                       for a, b in running), worker
+        # (Waits for a core are measured on Linux only.)
+        assert all((s.cpu_wait is not None) == sys.platform.startswith("linux") for s in stats)
     assert_gone(pids)
 
 

@@ -99,3 +99,25 @@ def test_steps_timed_on_a_core_leave_out_their_wait_for_one():
     assert [t for _, t in timed_steps(steps, on_core=True)] == pytest.approx([0.004, 0.005, 0.0005])
     with pytest.raises(ValueError, match="no measured wait for a core"):
         timed_steps([steps[0], dataclasses.replace(steps[1], cpu_wait=None)], on_core=True)
+
+
+def test_a_workers_loop_overhead_between_steps_is_part_of_the_step_before():
+    import dataclasses
+
+    from minipd.engine.stats import StepStats
+    from minipd.sim.fitted import cycle_times
+
+    def step(start: float, duration: float, overhead: float | None) -> StepStats:
+        # A prefill worker's record: nothing left in its scheduler after the step (queued prompts wait in its
+        # socket), so only the measured overhead says how long the loop worked before the next step.
+        return StepStats(start_time=start, duration=duration, num_prefill_tokens=10, num_decode_tokens=0,
+                         num_running=0, num_waiting=0, kv_blocks_used=0, kv_blocks_free=0, prefix_hit_rate=0.0,
+                         num_preemptions=0, overhead_before=overhead)
+
+    # Step 2 started 3 ms after step 1 ended, 2 ms of it the loop's own work; step 3 20 ms after step 2, of which
+    # 0.5 ms work (the rest idle); the last step's time is its own.
+    steps = [step(0.0, 0.010, None), step(0.013, 0.005, 0.002), step(0.038, 0.004, 0.0005)]
+    assert cycle_times(steps) == pytest.approx([0.012, 0.0055, 0.004])
+    # Without the measurement an idle scheduler after a step keeps the step's own duration.
+    assert cycle_times([dataclasses.replace(s, overhead_before=None) for s in steps]) == pytest.approx(
+        [0.010, 0.005, 0.004])

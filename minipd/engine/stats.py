@@ -52,6 +52,11 @@ class StepStats:
     #: delay: other processes had the machine's cores); None where the operating system does not say, and in a
     #: simulation. ``duration - cpu_wait`` is the step's own time on a core (and its torch threads').
     cpu_wait: float | None = None
+    #: Seconds the engine's loop spent, between the previous step's end and this step's start, on its own work
+    #: (sending the previous step's outputs, taking in new requests) rather than waiting for any: what a step
+    #: costs beyond its record. Measured by a disaggregated worker, whose queued requests wait in its socket, not in
+    #: the scheduler; None elsewhere.
+    overhead_before: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,7 @@ shortly after its connection to the front end closes (:class:`FrontEndWatch`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import sys
@@ -331,6 +332,10 @@ class _Worker:
 
     def serve(self, pull: Any, parent_alive: Any, codec: Codec) -> bool:
         """Serve until a ``Shutdown`` (True) or until ``parent_alive()`` says the front end is gone (False)."""
+        # The loop's own work between steps (each step's ``overhead_before``): from the previous step's end, or
+        # from the last wait for a message that timed out (the loop was idle until then), to the next step's start,
+        # less the time blocked waiting for a message since.
+        since, blocked = time.perf_counter(), 0.0
         while True:
             sched = self.core.scheduler
             busy = bool(sched.running or sched.waiting)  # something can compute now
@@ -342,7 +347,16 @@ class _Worker:
                 timeout_ms = 1
             else:
                 timeout_ms = int(POLL_INTERVAL * 1000) if self.kv_scheduler.held_since else 1000
-            while pull.poll(timeout_ms):
+            while True:
+                waited_from = time.perf_counter()
+                arrived = pull.poll(timeout_ms)
+                if timeout_ms:
+                    if not arrived:
+                        since, blocked = time.perf_counter(), 0.0  # idle until now: nothing came
+                    else:
+                        blocked += time.perf_counter() - waited_from
+                if not arrived:
+                    break
                 message = receive(pull, codec, 0, "minipd worker")
                 if message is not None and not self.handle(message):
                     return True
@@ -361,6 +375,10 @@ class _Worker:
                 outputs = self.core.step()
                 # The step's record goes to the front end with its outputs (metrics, a fitted step-time model).
                 stats = [self.core.step_stats[-1]] if self.core.num_steps != steps and self.core.step_stats else []
+                if stats:
+                    overhead = max(0.0, stats[0].start_time - since - blocked)
+                    stats = [dataclasses.replace(stats[0], overhead_before=overhead)]
+                    since, blocked = stats[0].start_time + stats[0].duration, 0.0
                 self.report(outputs, time.perf_counter(), stats)
                 failure = self.core.take_failure()  # (after its step's tokens went out: nothing is lost)
                 if failure is not None:

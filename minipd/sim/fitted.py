@@ -32,12 +32,18 @@ def features(work: StepWork) -> tuple[float, ...]:
 
 
 def cycle_times(steps: Sequence[StepStats]) -> list[float]:
-    """Each step's time as the engine spent it: through to the next step's start while it had work left
-    after the step (so the work between steps, outputs and new requests, is counted); the step's own
-    duration when it went idle after it, or for the last step."""
+    """Each step's time as the engine spent it: its duration plus the work its loop did before the next step
+    where the next record measured that (``overhead_before``: a disaggregated worker, whose queued requests wait in
+    its socket where the scheduler does not see them); otherwise through to the next step's start while it had
+    work left after the step (so the work between steps, outputs and new requests, is counted), and the step's
+    own duration when it went idle after it, or for the last step."""
     steps = list(steps)
     times = []
     for i, s in enumerate(steps):
+        following_overhead = steps[i + 1].overhead_before if i + 1 < len(steps) else None
+        if following_overhead is not None:
+            times.append(min(s.duration + following_overhead, max(s.duration, steps[i + 1].start_time - s.start_time)))
+            continue
         busy = s.num_running + s.num_waiting + s.num_waiting_for_kv > 0
         following = steps[i + 1].start_time - s.start_time if i + 1 < len(steps) else -1.0
         times.append(following if busy and following >= s.duration else s.duration)
