@@ -4,7 +4,8 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
 
 1. a saturating run (every request at once) measures capacity (requests/s);
 2. calibration runs at 30%, 60% and 95% of capacity (their own seeds, each just before step 3's runs at its
-   load) fit the step-time models (``FittedStepTime``; per worker for 1P1D, the KV link from the measured
+   load) fit the step-time models (``FittedStepTime``, on each step's time with its loop's own work before the
+   next step, ``minipd.sim.fitted.cycle_times``; per worker for 1P1D, the KV link from the measured
    transfers, and the control messages' latency between the front end and the workers); held-out steps give
    the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine), on the steps'
    wall times and on their time on a core (each step's wait for one, which the engine measures, left out);

@@ -144,3 +144,13 @@ def test_control_latency_is_measured_from_prompts_matched_to_their_prefill_steps
                                      start=origin)])
     with pytest.raises(ValueError, match="matched 1 of 3"):  # (prompt 1 never completes)
         fit_control_latency([RealRun(results, steps[:2], run.entered, start=origin)])
+    # A worker that measured its loop's work between steps: the step before prompt 4's ended at 0.013 on its record
+    # and at 0.015 with the 2 ms its loop worked after it (the simulator's step ends there). Prompt 4's first token
+    # came 1 ms after that; prompt 5 entered at 0.014, the worker still busy (not a dispatch sample).
+    import dataclasses
+
+    timed = [step(origin + 0.003, 0.010, (40,), (40,)),
+             dataclasses.replace(step(origin + 0.020, 0.010, (30,), (30,)), overhead_before=0.002)]
+    results = [RequestResult(0.0, 0.0, True, "", 40, 4, 0.016, 0.05),
+               RequestResult(0.014, 0.014, True, "", 30, 4, 0.017, 0.06)]
+    assert fit_control_latency([RealRun(results, timed, [0.0, 0.014], start=origin)]) == pytest.approx((0.003, 0.001))

@@ -270,7 +270,9 @@ def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[fl
     :meth:`~minipd.sim.cluster.ClusterSpec.with_control_latency` takes them, measured on real runs with one
     prefill worker: each request's prompt is matched to the prefill step that completed it (first come, first
     served: prompts complete in the order they entered). Output is the median from the end of the step that
-    completed its prompt to the client's first token. The median wait from a request's entry to the start of its
+    completed its prompt, as the simulator times it (:func:`~minipd.sim.fitted.cycle_times`: with the worker's
+    own work before its next step where measured), to the client's first token. The median wait from a request's
+    entry to the start of its
     first prefill step, over the requests that found that worker idle (no queue in it), is one dispatch; with
     ``push`` (the K/V pushed into blocks reserved first, :attr:`~minipd.sim.cluster.ClusterSpec.push`) it is a
     dispatch to the decode worker, its reply and a dispatch to the prefill worker, and one dispatch is what is
@@ -293,16 +295,17 @@ def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[fl
             raise ValueError(f"matched {len(completions)} of {len(order)} prompts to prefill steps: not a run of "
                              "one prefill worker serving in order, without a prefix cache")
         starts = [s.start_time for s in steps]
+        ends = [s.start_time + t for s, t in zip(steps, cycle_times(steps), strict=True)]
         for request, index in zip(order, completions, strict=True):
-            step, result = steps[index], run.results[request]
+            result = run.results[request]
             entered = run.start + run.entered[request]
-            # Its first chunk's step is the first to start after it entered, if the worker was idle then.
+            # Its first chunk's step is the first to start after it entered, if the worker was idle then (the
+            # step before over, its loop's work after it too).
             first = bisect.bisect_left(starts, entered)
-            before = steps[first - 1] if first else None
-            if first <= index and (before is None or before.start_time + before.duration <= entered):
+            if first <= index and (not first or ends[first - 1] <= entered):
                 dispatch.append(starts[first] - entered)
             if result.ok:
-                output.append(run.start + result.intended + result.ttft - (step.start_time + step.duration))
+                output.append(run.start + result.intended + result.ttft - ends[index])
     if not dispatch or not output:
         raise ValueError("no request found its prefill worker idle: run a lighter load to measure dispatch")
     to_prefill, back = float(np.median(dispatch)), max(0.0, float(np.median(output)))
