@@ -121,13 +121,14 @@ def test_control_latency_is_measured_from_prompts_matched_to_their_prefill_steps
     from minipd.serve.loadgen import RequestResult
 
     def step(start: float, duration: float, sizes: tuple[int, ...], contexts: tuple[int, ...],
-             worker: str = "prefill0") -> StepStats:
-        return StepStats(start, duration, sum(sizes), 0, len(sizes), 0, 0, 0, 0.0, 0, prefill_chunk_sizes=sizes,
+             worker: str = "prefill0", running: int = 0) -> StepStats:
+        # (``running``: prompts left to prefill after the step; a prompt whose last chunk it was is gone.)
+        return StepStats(start, duration, sum(sizes), 0, running, 0, 0, 0, 0.0, 0, prefill_chunk_sizes=sizes,
                          prefill_chunk_contexts=contexts, worker=worker)
 
     origin = 100.0
     steps = [step(origin + 0.003, 0.010, (40,), (40,)),                   # prompt 0 (entered at 0)
-             step(origin + 0.055, 0.010, (64,), (64,)),                   # prompt 1, first chunk (entered at 0.050)
+             step(origin + 0.055, 0.010, (64,), (64,), running=1),        # prompt 1, first chunk (entered at 0.050)
              step(origin + 0.065, 0.010, (36, 20), (100, 20)),            # prompt 1 done, prompt 2 (entered 0.060)
              StepStats(origin + 0.040, 0.002, 0, 1, 1, 0, 0, 0, 0.0, 0, worker="decode0")]  # (left out)
     results = [RequestResult(0.0, 0.0, True, "", 40, 4, 0.014, 0.05),     # first token 1 ms after 0.013
