@@ -172,6 +172,16 @@ def on_core(runs_steps: list[list], splits) -> dict | None:
             "wait_share": 1.0 - sum(t for _, t in samples) / wall}
 
 
+def fit_on_core(model: FittedStepTime, runs_steps: list[list]) -> FittedStepTime | None:
+    """``model`` fitted again (same ranges) to the steps' time on a core in these runs (``replay_run_waits``'s
+    model); None for runs made before the engine measured its waits for a core."""
+    try:
+        samples = [x for steps in runs_steps for x in timed_steps(steps, on_core=True)]
+    except ValueError:
+        return None
+    return FittedStepTime.fit(samples, model.splits, source=model.source)
+
+
 def wait_shares(run: RealRun) -> dict[str, float] | None:
     """The share of each engine's or worker role's step time spent waiting for a core in ``run``; None for a run
     made before the waits were measured."""
@@ -407,11 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         return replay_run
 
     def replay_colocated_waits(model, calibration):
-        try:
-            samples = [x for r in calibration for x in timed_steps(r.steps, on_core=True)]
-        except ValueError:
-            return None  # (runs made before the engine measured its waits for a core)
-        on_core_model = FittedStepTime.fit(samples, model.splits, source=model.source)
+        on_core_model = fit_on_core(model, [r.steps for r in calibration])
+        if on_core_model is None:
+            return None
 
         def replay_run(run):
             replayed, found = replay_run_waits(on_core_model, run.steps, run.start)
@@ -481,36 +489,31 @@ def main(argv: list[str] | None = None) -> int:
                        for role in ("prefill", "decode")}
             return scaled_pd(models, factors), factors
 
-        def replay_pd(models, calibration):
-            between = {role: fit_between_stalls(models[role], [x for r in calibration
-                                                               for x in timed_steps(role_steps(r, role))])
-                       for role in ("prefill", "decode")}
+        def replay_roles(models, fitted, replay):
+            """``replay_run`` for 1P1D: each worker's model from ``fitted[role]`` through ``replay(fitted, steps,
+            origin)`` (``replay_run_stalls`` or ``replay_run_waits``)."""
 
             def replay_run(run):
                 replayed, found = dict(models), {}
                 for role in ("prefill", "decode"):
-                    replayed[role], stalls = replay_run_stalls(between[role], role_steps(run, role), run.start)
+                    replayed[role], stalls = replay(fitted[role], role_steps(run, role), run.start)
                     found[role] = stall_figures(stalls)
                 return replayed, found
 
             return replay_run
 
+        def replay_pd(models, calibration):
+            between = {role: fit_between_stalls(models[role], [x for r in calibration
+                                                               for x in timed_steps(role_steps(r, role))])
+                       for role in ("prefill", "decode")}
+            return replay_roles(models, between, replay_run_stalls)
+
         def replay_pd_waits(models, calibration):
-            try:
-                on_core_models = {role: FittedStepTime.fit(
-                    [x for r in calibration for x in timed_steps(role_steps(r, role), on_core=True)],
-                    models[role].splits, source=models[role].source) for role in ("prefill", "decode")}
-            except ValueError:
-                return None  # (runs made before the engine measured its waits for a core)
-
-            def replay_run(run):
-                replayed, found = dict(models), {}
-                for role in ("prefill", "decode"):
-                    replayed[role], waits = replay_run_waits(on_core_models[role], role_steps(run, role), run.start)
-                    found[role] = stall_figures(waits)
-                return replayed, found
-
-            return replay_run
+            on_core_models = {role: fit_on_core(models[role], [role_steps(r, role) for r in calibration])
+                              for role in ("prefill", "decode")}
+            if None in on_core_models.values():
+                return None
+            return replay_roles(models, on_core_models, replay_run_waits)
 
         def pd_spec(models, shared_cores=False):
             configs = {role: dataclasses.replace(config, num_kv_blocks=blocks[role]) for role in blocks}

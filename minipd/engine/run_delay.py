@@ -26,7 +26,8 @@ class _OpenFile:
         self.fd = os.open(_PATH, os.O_RDONLY)
 
     def __del__(self) -> None:
-        os.close(self.fd)
+        if hasattr(self, "fd"):  # (not if the open failed)
+            os.close(self.fd)
 
 
 _local = threading.local()

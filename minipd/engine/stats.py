@@ -50,7 +50,8 @@ class StepStats:
     worker: str = ""
     #: Seconds of :attr:`duration` the stepping thread was ready to run but waited for a core (Linux's run
     #: delay: other processes had the machine's cores); None where the operating system does not say, and in a
-    #: simulation. ``duration - cpu_wait`` is the step's own time on a core (and its torch threads').
+    #: simulation. ``duration - cpu_wait`` is the step's time on a core (the waits of torch's other threads, if
+    #: it has any, are not counted).
     cpu_wait: float | None = None
     #: Seconds the engine's loop spent, between the previous step's end and this step's start, on its own work
     #: (sending the previous step's outputs, taking in new requests) rather than waiting for any: what a step

@@ -134,7 +134,6 @@ def replay_run_stalls(between: FittedStepTime, steps: Sequence[StepStats], origi
     return StallingStepTime(at_speed, stalls), RunStalls(factor, len(stalls), sum(s.duration for s in stalls))
 
 
-
 def replay_run_waits(on_core: FittedStepTime, steps: Sequence[StepStats], origin: float
                      ) -> tuple[StallingStepTime, RunStalls]:
     """A step model to simulate one real run of ``steps`` with, from the waits for a core the engine measured:

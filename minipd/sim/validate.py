@@ -272,8 +272,8 @@ def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[fl
     served: prompts complete in the order they entered). Output is the median from the end of the step that
     completed its prompt, as the simulator times it (:func:`~minipd.sim.fitted.cycle_times`: with the worker's
     own work before its next step where measured), to the client's first token. The median wait from a request's
-    entry to the start of its
-    first prefill step, over the requests that found that worker idle (no queue in it), is one dispatch; with
+    entry to the start of its first prefill step, over the requests that found that worker idle (no queue in it,
+    the step before over), is one dispatch; with
     ``push`` (the K/V pushed into blocks reserved first, :attr:`~minipd.sim.cluster.ClusterSpec.push`) it is a
     dispatch to the decode worker, its reply and a dispatch to the prefill worker, and one dispatch is what is
     left of it after the reply, halved (it also holds the decode worker's wait for the end of its step before it
