@@ -19,11 +19,12 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
    real run and its repeat with that run's own stalls put back (``minipd.sim.stalls``: the machine between its
    stops at the run's speed, the stops where they were: what is left is the simulator's); once more for each
    with the waits for a core the engine measured put back in their steps, on a model of the steps' time on a core
-   (``replay_run_waits``: measured, where the stalls are inferred); and on a machine 5% faster and 5% slower (how
-   much each figure moves with the speed alone);
+   (``replay_run_waits``: measured, where the stalls are inferred); once with stalls drawn at random at the rate
+   and of the lengths the calibration runs had (``stalls_drawn``: a prediction, borrowing nothing from the run);
+   and on a machine 5% faster and 5% slower (how much each figure moves with the speed alone);
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
    simulator (also at the speed of the first real search's runs, and with each of those runs' stalls, and their
-   waits for a core).
+   waits for a core; and for each second model simulated beside: ``shared_cores``, ``stalls_drawn``).
 
     python scripts/validate_simulator.py --out assets/sim/cpu_validation.json --runs-out /tmp/runs.json.gz
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
@@ -59,12 +60,23 @@ from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
 from minipd.sim.sharing import fit_shared, shared_errors, step_overlaps
-from minipd.sim.stalls import RunStalls, fit_between_stalls, replay_run_stalls, replay_run_waits, without_stalls
+from minipd.sim.stalls import (
+    RunStalls,
+    StallingStepTime,
+    draw_stalls,
+    find_stalls,
+    fit_between_stalls,
+    replay_run_stalls,
+    replay_run_waits,
+    without_stalls,
+)
 from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
 FRACTIONS = (0.3, 0.6, 0.85, 0.95)
 CALIBRATION = (0.3, 0.6, 0.95)
+#: How far ahead stalls are drawn for a simulation (seconds; the longest here lasts about ten).
+STALL_HORIZON_S = 600.0
 #: Step models this many times slower, to show how much each figure moves with the machine's speed.
 SENSITIVITY = (0.95, 1.05)
 
@@ -172,6 +184,16 @@ def on_core(runs_steps: list[list], splits) -> dict | None:
             "wait_share": 1.0 - sum(t for _, t in samples) / wall}
 
 
+def drawn_stalls(model: FittedStepTime, runs: list, steps_of, seed: int) -> StallingStepTime:
+    """``model`` fitted again between the calibration ``runs``' stalls, with stalls drawn at random at the rate and
+    of the lengths those runs had (``minipd.sim.stalls.draw_stalls``): a prediction of the machine's stops, where
+    the replays borrow the compared run's. ``steps_of(run)``: the engine's or worker's steps in it."""
+    between = fit_between_stalls(model, [x for r in runs for x in timed_steps(steps_of(r))])
+    found = [s for r in runs for s in find_stalls(between, steps_of(r), r.start)]
+    span = sum(max(s.start_time + s.duration for s in steps_of(r)) - r.start for r in runs)
+    return StallingStepTime(between, draw_stalls(found, span, STALL_HORIZON_S, seed))
+
+
 def fit_on_core(model: FittedStepTime, runs_steps: list[list]) -> FittedStepTime | None:
     """``model`` fitted again (same ranges) to the steps' time on a core in these runs (``replay_run_waits``'s
     model); None for runs made before the engine measured its waits for a core."""
@@ -242,9 +264,10 @@ def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict
     return {"goodput": goodput, "tried": tried}
 
 
-def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, replays=None, scale=None) -> dict:
-    """The simulated side, beside :func:`measure`'s. ``variant``: (name, make_spec) of a second model simulated
-    beside, its table kept in each row under name. ``rescale(models, runs) -> (models, factors)``: the step
+def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, replays=None, scale=None) -> dict:
+    """The simulated side, beside :func:`measure`'s. ``variants``: by name, ``make_variant(models, calibration) ->
+    spec``, other models simulated beside, each one's table kept in each row under its name and its goodput
+    searched too ("sim_" + name). ``rescale(models, runs) -> (models, factors)``: the step
     models at the speed the machine ran ``runs`` (:func:`minipd.sim.fitted.speed_factor`), for the
     speed-corrected simulation kept beside each row ("speed_corrected") and the goodput ("sim_speed_corrected").
     ``replays``: by name, ``replay(models, calibration) -> replay_run`` (None when the runs cannot be replayed so),
@@ -258,9 +281,7 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
     capacity = real["capacity"]
     models, errors = fit(real["calibration"])
     spec = make_spec(models)
-    if variant is not None:
-        name, make_variant = variant
-        variant_spec = make_variant(models)
+    variant_specs = {name: make(models, real["calibration"]) for name, make in (variants or {}).items()}
     replay_runs = {kind: replay(models, real["calibration"]) for kind, replay in (replays or {}).items()}
     replay_runs = {kind: replay_run for kind, replay_run in replay_runs.items() if replay_run is not None}
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
@@ -311,7 +332,7 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
                 rows[-1][key] = {"found": found, **simulated_side(table_replayed)}
                 stalls = ", ".join(describe_stalls(k, v, kind) for k, v in found.items())
                 print(f"  {key.replace('_', ' ')} ({stalls}): " + describe_errors(table_replayed), flush=True)
-        if variant is not None:
+        for name, variant_spec in variant_specs.items():
             other = compare(first.results, simulate(variant_spec, items), slo)
             rows[-1][name] = simulated_side(other)
             print(f"  {name}: " + describe_errors(other), flush=True)
@@ -327,6 +348,10 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variant=None, r
         goodput["search_speed_factors"] = factors
         print(f"  at the real search's speed ({', '.join(f'{k} x{v:.3f}' for k, v in factors.items())}): "
               f"simulated {goodput['sim_speed_corrected']:.2f} req/s", flush=True)
+    for name, variant_spec in variant_specs.items():
+        goodput[f"sim_{name}"], goodput[f"sim_{name}_tried"] = search(
+            lambda r, spec=variant_spec: simulate(spec, workload(n, r, 200)).results(), slo, capacity)
+        print(f"  {name}: simulated {goodput[f'sim_{name}']:.2f} req/s", flush=True)
     for kind, replay_run in replay_runs.items() if real["searched"] else ():
         goodput[f"sim_{kind}_replayed"] = replayed_search(real, replay_run, make_spec, n, slo)
         print(f"  each real search run's own {kind} replayed: {goodput[f'sim_{kind}_replayed']}", flush=True)
@@ -430,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     real = real_side(llm, "colocated (LLM)", "colocated", dataclasses.asdict(config))
     report["colocated"].update(judge(real, lambda m: ClusterSpec.colocated(m, config), fit_colocated,
                                      rescale_colocated, args.num_requests, slo,
+                                     variants={"stalls_drawn": lambda m, runs: ClusterSpec.colocated(
+                                         drawn_stalls(m, runs, lambda r: r.steps, 0), config)},
                                      replays={"stalls": replay_colocated, "waits": replay_colocated_waits},
                                      scale=lambda model, factor: model.scaled(factor)))
     # (Simulated again: the engine the runs were made with.)
@@ -536,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
                     "instance": dataclasses.asdict(config), "kv_bytes_per_token": kv_per_token, "num_layers": layers}
         real = real_side(pd, "1P1D (DisaggregatedLLM)", "1p1d", settings)
         report["1p1d"].update(judge(real, pd_spec, fit_pd, rescale_pd, args.num_requests, slo,
-                                    variant=("shared_cores", lambda m: pd_spec(m, shared_cores=True)),
+                                    variants={"shared_cores": lambda m, runs: pd_spec(m, shared_cores=True),
+                                              "stalls_drawn": lambda m, runs: pd_spec({**m, **{
+                                                  role: drawn_stalls(m[role], runs, lambda r, role=role:
+                                                                     role_steps(r, role), seed)
+                                                  for seed, role in enumerate(("prefill", "decode"))}})},
                                     replays={"stalls": replay_pd, "waits": replay_pd_waits},
                                     scale=lambda models, factor: scaled_pd(
                                         models, dict.fromkeys(("prefill", "decode"), factor))))

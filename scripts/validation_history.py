@@ -42,7 +42,8 @@ def summary(report: dict, label: str) -> dict:
         out[engine] = {
             "capacity": entry["capacity"],
             "goodput": {k: goodput[k] for k in ("real", "repeat", "sim", "sim_speed_corrected", "real_tried",
-                                                "sim_stalls_replayed", "sim_waits_replayed") if k in goodput},
+                                                "sim_stalls_replayed", "sim_waits_replayed", "sim_shared_cores",
+                                                "sim_stalls_drawn") if k in goodput},
             "loads": {str(row["fraction"]): _load(row) for row in entry["rows"]},
         }
     return out
@@ -67,8 +68,11 @@ def _load(row: dict) -> dict:
             load[key] = row[key]
     if "speed_corrected" in row:
         load["at_speed"] = _verdict(row["speed_corrected"], factors=row["speed_corrected"]["factors"])
-    if "shared_cores" in row:  # (1P1D: the variant whose workers slow each other down on the shared cores)
-        load["shared_cores"] = _verdict(row["shared_cores"])
+    # (1P1D: the variant whose workers slow each other down on the shared cores; stalls drawn at the calibration
+    # runs' rate.)
+    for key in ("shared_cores", "stalls_drawn"):
+        if key in row:
+            load[key] = _verdict(row[key])
     # Each real run with its own stalls put back; with its measured waits for a core put back.
     for key in ("stalls_replayed", "repeat_stalls_replayed", "waits_replayed", "repeat_waits_replayed"):
         if key in row:

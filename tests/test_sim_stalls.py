@@ -138,3 +138,20 @@ def test_a_run_is_replayed_from_the_waits_for_a_core_its_engine_measured():
     assert replayed.model.step_time(steps[4].work) == pytest.approx(1.05 * on_core(steps[4].num_prefill_tokens))
     with pytest.raises(ValueError, match="no measured wait"):
         replay_run_waits(model, [dataclasses.replace(steps[0], cpu_wait=None)], origin)
+
+
+def test_stalls_are_drawn_at_the_calibration_rate_with_its_lengths():
+    from minipd.sim.stalls import draw_stalls
+
+    # Calibration: 4 stalls of 10 or 30 ms in 2 s (2 a second).
+    found = [Stall(0.1, 0.010), Stall(0.7, 0.030), Stall(1.1, 0.010), Stall(1.9, 0.030)]
+    drawn = draw_stalls(found, span_s=2.0, horizon_s=5000.0, seed=3)
+    assert len(drawn) == pytest.approx(2.0 * 5000, rel=0.05)
+    assert {s.duration for s in drawn} == {0.010, 0.030}
+    assert sum(s.duration == 0.030 for s in drawn) / len(drawn) == pytest.approx(0.5, abs=0.03)
+    starts = [s.start for s in drawn]
+    assert starts == sorted(starts) and 0 < starts[0] and starts[-1] <= 5000.0
+    assert draw_stalls(found, 2.0, 5000.0, seed=3) == drawn and draw_stalls(found, 2.0, 5000.0, seed=4) != drawn
+    assert draw_stalls([], 2.0, 10.0) == []
+    with pytest.raises(ValueError, match="span_s must be > 0"):
+        draw_stalls(found, 0.0, 10.0)

@@ -131,6 +131,8 @@ def test_the_history_keeps_the_errors_on_core_each_runs_wait_for_a_core_and_its_
     found = {"prefill": {"factor": 0.97, "stalls": 60, "stalled_ms": 500.0}}
     report["1p1d"]["rows"][2]["waits_replayed"] = {"found": found, **{k: {"sim": 1.0, "error": 0.02} for k in TARGETS}}
     report["1p1d"]["goodput"]["sim_waits_replayed"] = {"goodput": 80.0, "tried": [[50.0, 0.95, 0.97]]}
+    report["1p1d"]["rows"][2]["stalls_drawn"] = {k: {"sim": 1.0, "error": 0.5} for k in TARGETS}
+    report["1p1d"]["goodput"]["sim_stalls_drawn"] = 70.0
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
@@ -143,3 +145,5 @@ def test_the_history_keeps_the_errors_on_core_each_runs_wait_for_a_core_and_its_
     assert load["waits_replayed"] == {"within_targets": True, "found": found, "errors": dict.fromkeys(TARGETS, 0.02)}
     assert sum("cpu_wait" in v for v in loads.values()) == sum("waits_replayed" in v for v in loads.values()) == 1
     assert run["1p1d"]["goodput"]["sim_waits_replayed"]["goodput"] == 80.0
+    assert run["1p1d"]["goodput"]["sim_stalls_drawn"] == 70.0
+    assert load["stalls_drawn"] == {"within_targets": False, "errors": dict.fromkeys(TARGETS, 0.5)}

@@ -11,6 +11,9 @@ simulation at the same moments: a simulated step that spans a stall's start last
 that starts during a stall waits for its end. :func:`without_stalls` leaves them out of the samples a model is
 fitted to (:func:`fit_between_stalls`), so that the replayed stalls are not counted twice.
 
+A replay borrows the stalls of the run it is compared with. :func:`draw_stalls` predicts instead: stalls at the
+rate, and of the lengths, that calibration runs had, drawn at random times.
+
 Where the engine measured how long each step waited for a core (:attr:`~minipd.engine.stats.StepStats.cpu_wait`,
 the time other processes had the cores), those waits need not be inferred: :func:`replay_run_waits` puts each
 one back in the middle of its step, on a model of the steps' time on a core.
@@ -149,5 +152,26 @@ def replay_run_waits(on_core: FittedStepTime, steps: Sequence[StepStats], origin
                                                                         sum(x.duration for x in stalls))
 
 
-__all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "find_stalls", "fit_between_stalls",
-           "replay_run_stalls", "replay_run_waits", "without_stalls"]
+def draw_stalls(found: Sequence[Stall], span_s: float, horizon_s: float, seed: int = 0) -> list[Stall]:
+    """Stalls like ``found`` (those of calibration runs lasting ``span_s`` seconds in all), at random: a Poisson
+    process at their rate over ``horizon_s`` seconds from 0, each lasting the length of one of them drawn at
+    random, seeded (the same stalls for the same seed). None found: none drawn."""
+    import numpy as np
+
+    if not span_s > 0 or not horizon_s >= 0:
+        raise ValueError(f"span_s must be > 0 and horizon_s >= 0 seconds, got {span_s!r} and {horizon_s!r}")
+    if not found:
+        return []
+    rng = np.random.default_rng(seed)
+    rate = len(found) / span_s
+    lengths = [s.duration for s in found]
+    stalls, now = [], 0.0
+    while True:
+        now += float(rng.exponential(1.0 / rate))
+        if now > horizon_s:
+            return stalls
+        stalls.append(Stall(now, lengths[int(rng.integers(len(lengths)))]))
+
+
+__all__ = ["DEFAULT_THRESHOLD_S", "RunStalls", "Stall", "StallingStepTime", "draw_stalls", "find_stalls",
+           "fit_between_stalls", "replay_run_stalls", "replay_run_waits", "without_stalls"]
