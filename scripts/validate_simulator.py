@@ -170,13 +170,21 @@ def between_stalls(model: FittedStepTime, samples: list) -> dict:
             "stalled_share": 1 - len(kept) / len(samples)}
 
 
+def on_core_samples(runs_steps: list[list]) -> list | None:
+    """Each step of these runs (one engine's or worker's steps each) as ``(work, seconds on a core)``; None for runs
+    made before the engine measured its waits for a core."""
+    try:
+        return [x for steps in runs_steps for x in timed_steps(steps, on_core=True)]
+    except ValueError:
+        return None
+
+
 def on_core(runs_steps: list[list], splits) -> dict | None:
     """The step model fitted to each step's time on a core (its thread's wait for one left out,
     ``StepStats.cpu_wait``): held-out MAPE and noise floor, as for the wall times, and the share of the steps'
     time spent waiting for a core; None for runs made before the waits were measured."""
-    try:
-        samples = [x for steps in runs_steps for x in timed_steps(steps, on_core=True)]
-    except ValueError:
+    samples = on_core_samples(runs_steps)
+    if samples is None:
         return None
     wall = sum(t for steps in runs_steps for _, t in timed_steps(steps))
     train, test = held_out_split(samples)
@@ -197,11 +205,8 @@ def drawn_stalls(model: FittedStepTime, runs: list, steps_of, seed: int) -> Stal
 def fit_on_core(model: FittedStepTime, runs_steps: list[list]) -> FittedStepTime | None:
     """``model`` fitted again (same ranges) to the steps' time on a core in these runs (``replay_run_waits``'s
     model); None for runs made before the engine measured its waits for a core."""
-    try:
-        samples = [x for steps in runs_steps for x in timed_steps(steps, on_core=True)]
-    except ValueError:
-        return None
-    return FittedStepTime.fit(samples, model.splits, source=model.source)
+    samples = on_core_samples(runs_steps)
+    return None if samples is None else FittedStepTime.fit(samples, model.splits, source=model.source)
 
 
 def wait_shares(run: RealRun) -> dict[str, float] | None:
@@ -241,8 +246,8 @@ class _OffThePath(Exception):
 
 def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict:
     """The goodput search once more, each rate simulated with the stalls (or waits for a core) of the real search's
-    run at that rate
-    (the same bisection: while the two agree on each rate, they try the same rates). Returns the goodput
+    run at that rate (the same bisection: while the two agree on each rate, they try the same rates). Returns the
+    goodput
     (None if the simulation passed or failed a rate the other way and asked for one never run for real) and
     every (rate, real attainment, simulated attainment)."""
     by_rate = {rate: run for (rate, _), run in zip(real["goodput"]["real_tried"], real["searched"], strict=True)}
@@ -300,12 +305,11 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, 
                  "repeat": step_counts(Counter(s.worker for s in again.steps)),
                  "sim": step_counts({name: stats.steps for name, stats in simulated.instances.items()})}
         rows.append({"fraction": fraction, "rate": rate, **table, "steps": steps})
+        print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
+            f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
         waits = {"real": wait_shares(first), "repeat": wait_shares(again)}
         if waits["real"] is not None:
             rows[-1]["cpu_wait"] = waits
-        print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
-            f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
-        if waits["real"] is not None:
             print("  step time spent waiting for a core, real/again: " + ", ".join(
                 f"{k} {v:.1%}/{waits['repeat'].get(k, 0.0):.1%}" for k, v in waits["real"].items()), flush=True)
         # The same models at the speed the machine ran this run (one factor per engine or worker): what is left

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from minipd.engine.stats import StepStats, StepWork
 from minipd.sim.fitted import FittedStepTime, cycle_times, speed_factor, timed_steps
 
@@ -156,8 +158,6 @@ def draw_stalls(found: Sequence[Stall], span_s: float, horizon_s: float, seed: i
     """Stalls like ``found`` (those of calibration runs lasting ``span_s`` seconds in all), at random: a Poisson
     process at their rate over ``horizon_s`` seconds from 0, each lasting the length of one of them drawn at
     random, seeded (the same stalls for the same seed). None found: none drawn."""
-    import numpy as np
-
     if not span_s > 0 or not horizon_s >= 0:
         raise ValueError(f"span_s must be > 0 and horizon_s >= 0 seconds, got {span_s!r} and {horizon_s!r}")
     if not found:
