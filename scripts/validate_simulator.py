@@ -247,9 +247,8 @@ class _OffThePath(Exception):
 def replayed_search(real: dict, replay_run, make_spec, n: int, slo: Slo) -> dict:
     """The goodput search once more, each rate simulated with the stalls (or waits for a core) of the real search's
     run at that rate (the same bisection: while the two agree on each rate, they try the same rates). Returns the
-    goodput
-    (None if the simulation passed or failed a rate the other way and asked for one never run for real) and
-    every (rate, real attainment, simulated attainment)."""
+    goodput (None if the simulation passed or failed a rate the other way and asked for one never run for real)
+    and every (rate, real attainment, simulated attainment)."""
     by_rate = {rate: run for (rate, _), run in zip(real["goodput"]["real_tried"], real["searched"], strict=True)}
     attained = dict(real["goodput"]["real_tried"])
     tried = []
