@@ -9,19 +9,20 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
    transfers, and the control messages' latency between the front end and the workers); held-out steps give
    the model's error (MAPE) beside the noise floor (identical steps' own spread on this machine), on the steps'
    wall times and on their time on a core (each step's wait for one, which the engine measures, left out);
-3. runs at 30%, 60%, 85% and 95% of capacity, each twice for real (how much the machine alone moves the
-   latencies) and once simulated: P50/P90 TTFT and TPOT and SLO attainment, and the share of each engine's or
-   worker's step time spent waiting for a core (1P1D: the K/V pushed as the
-   engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down on
-   the shared cores: ``minipd.sim.sharing``); and once more with the step models at the speed the machine ran that
-   real run (one factor per engine or worker, ``minipd.sim.fitted.speed_factor``): a shared machine's speed drifts
-   by 10-20% over minutes, and this separates that drift from the simulator's own error; once more for each
-   real run and its repeat with that run's own stalls put back (``minipd.sim.stalls``: the machine between its
-   stops at the run's speed, the stops where they were: what is left is the simulator's); once more for each
-   with the waits for a core the engine measured put back in their steps, on a model of the steps' time on a core
-   (``replay_run_waits``: measured, where the stalls are inferred); once with stalls drawn at random at the rate
-   and of the lengths the calibration runs had (``stalls_drawn``: a prediction, borrowing nothing from the run);
-   and on a machine 5% faster and 5% slower (how much each figure moves with the speed alone);
+3. runs at 30%, 60%, 85% and 95% of capacity, each five times for real (``--repeats``: how much the machine alone
+   moves the latencies; the first run is compared figure by figure, and the median of all of them too, beside how
+   close each real run comes to the median of the others) and once simulated: P50/P90 TTFT and TPOT and SLO
+   attainment, and the share of each engine's or worker's step time spent waiting for a core (1P1D: the K/V pushed
+   as the engine pushes them, and a second simulation beside, ``shared_cores``, whose workers slow each other down
+   on the shared cores: ``minipd.sim.sharing``); and once more with the step models at the speed the machine ran
+   that real run (one factor per engine or worker, ``minipd.sim.fitted.speed_factor``): a shared machine's speed
+   drifts by 10-20% over minutes, and this separates that drift from the simulator's own error; once more for each
+   real run and its repeat with that run's own stalls put back (``minipd.sim.stalls``: the machine between its stops
+   at the run's speed, the stops where they were: what is left is the simulator's); once more for each with the
+   waits for a core the engine measured put back in their steps, on a model of the steps' time on a core
+   (``replay_run_waits``: measured, where the stalls are inferred); once with stalls drawn at random at the rate and
+   of the lengths the calibration runs had (``stalls_drawn``: a prediction, borrowing nothing from the run); and on
+   a machine 5% faster and 5% slower (how much each figure moves with the speed alone);
 4. goodput (90% of requests within the SLOs) found by the same search on the real engine (twice) and on the
    simulator (also at the speed of the first real search's runs, and with each of those runs' stalls, and their
    waits for a core; and for each second model simulated beside: ``shared_cores``, ``stalls_drawn``).
@@ -30,7 +31,7 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
     python scripts/validate_simulator.py --from-runs assets/sim/cpu_validation.json /tmp/runs.json.gz --out new.json
 
-Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores).
+Keep the machine otherwise idle while it runs (10–18 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -70,11 +71,21 @@ from minipd.sim.stalls import (
     replay_run_waits,
     without_stalls,
 )
-from minipd.sim.validate import RealRun, compare, fit_control_latency, fit_link, instance_config, run_engine
+from minipd.sim.validate import (
+    RealRun,
+    against_runs,
+    compare,
+    fit_control_latency,
+    fit_link,
+    instance_config,
+    run_engine,
+)
 
 PROMPTS, OUTPUTS = "16:256", "8:64"
 FRACTIONS = (0.3, 0.6, 0.85, 0.95)
 CALIBRATION = (0.3, 0.6, 0.95)
+#: Real runs of each compared row: one run is one sample of a shared machine.
+REPEATS = 5
 #: How far ahead stalls are drawn for a simulation (seconds; the longest here lasts about ten).
 STALL_HORIZON_S = 600.0
 #: Step models this many times slower, to show how much each figure moves with the machine's speed.
@@ -107,8 +118,9 @@ def workload(n: int, rate: float, seed: int) -> list:
     return synthetic_workload(n, rate, PROMPTS, OUTPUTS, seed=seed)
 
 
-def measure(engine, n: int, slo: Slo, label: str) -> dict:
-    """The real side: capacity, calibration runs, every compared run (twice) and the goodput searched twice."""
+def measure(engine, n: int, slo: Slo, label: str, repeats: int = REPEATS) -> dict:
+    """The real side: capacity, calibration runs, every compared run (``repeats`` times) and the goodput searched
+    twice."""
     print(f"== {label}", flush=True)
     run_engine(engine, workload(8, 100.0, 99))  # warm-up
     saturating = run_engine(engine, workload(n, 1e6, 7))
@@ -121,7 +133,7 @@ def measure(engine, n: int, slo: Slo, label: str) -> dict:
         if fraction in CALIBRATION:
             calibration.append(run_engine(engine, workload(n, fraction * capacity, 100 + CALIBRATION.index(fraction))))
         items = workload(n, fraction * capacity, int(fraction * 100))
-        measured[fraction] = run_engine(engine, items), run_engine(engine, items)
+        measured[fraction] = tuple(run_engine(engine, items) for _ in range(repeats))
 
     # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
     # moves by a few points from run to run, and the bisection's answer with it.
@@ -142,7 +154,7 @@ def stored(report: dict, runs: dict) -> dict:
     """:func:`measure`'s answer from an earlier report and the runs it kept (``--runs-out``)."""
     goodput = {k: report["goodput"][k] for k in ("real", "repeat", "real_tried", "repeat_tried")}
     return {"capacity": report["capacity"], "calibration": [RealRun.from_json(r) for r in runs["calibration"]],
-            "measured": {float(f): tuple(RealRun.from_json(r) for r in pair) for f, pair in runs["measured"].items()},
+            "measured": {float(f): tuple(RealRun.from_json(r) for r in kept) for f, kept in runs["measured"].items()},
             "goodput": goodput, "searched": [RealRun.from_json(r) for r in runs.get("searched", [])]}
 
 
@@ -290,7 +302,8 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, 
     replay_runs = {kind: replay_run for kind, replay_run in replay_runs.items() if replay_run is not None}
     print(f"capacity {capacity:.1f} req/s; step model MAPE (held out) and noise floor {errors}", flush=True)
     rows = []
-    for fraction, (first, again) in real["measured"].items():
+    for fraction, real_runs in real["measured"].items():
+        first, again = real_runs[:2]
         rate = fraction * capacity
         items = workload(n, rate, int(fraction * 100))
         simulated = simulate(spec, items)
@@ -306,6 +319,21 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, 
         rows.append({"fraction": fraction, "rate": rate, **table, "steps": steps})
         print(f"{fraction:.0%} ({rate:.1f} req/s), real/again/sim: " + ", ".join(
             f"{k} {v['real']:.3g}/{v['repeat']:.3g}/{v['sim']:.3g}" for k, v in table.items()), flush=True)
+        if len(real_runs) > 2:
+            # One run is one sample of the machine: the simulation against the median of every real run, and each
+            # real run against the median of the others (how close the machine lets a run come to its siblings);
+            # also at the speed the machine ran all of them.
+            results = [run.results for run in real_runs]
+            pooled = against_runs(results, simulated, slo)
+            pooled_models, pooled_factors = rescale(models, list(real_runs))
+            pooled_at_speed = against_runs(results, simulate(make_spec(pooled_models), items), slo)
+            rows[-1]["pooled"] = {**pooled, "at_speed": {"factors": pooled_factors, **{
+                k: pooled_at_speed[k] for k in ("sim", "errors", "within_targets")}}}
+            print(f"  against the median of {len(real_runs)} real runs: within every target "
+                  f"{'yes' if pooled['within_targets'] else 'no'} ("
+                  + ", ".join(f"{k} {v:+.2f}" for k, v in pooled["errors"].items())
+                  + f"); at their speed {'yes' if pooled_at_speed['within_targets'] else 'no'}; real runs within "
+                  f"every target of the others' median: {pooled['real_within']} of {len(real_runs)}", flush=True)
         waits = {"real": wait_shares(first), "repeat": wait_shares(again)}
         if waits["real"] is not None:
             rows[-1]["cpu_wait"] = waits
@@ -359,7 +387,7 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, 
         goodput[f"sim_{kind}_replayed"] = replayed_search(real, replay_run, make_spec, n, slo)
         print(f"  each real search run's own {kind} replayed: {goodput[f'sim_{kind}_replayed']}", flush=True)
     runs = {"calibration": [run.to_json() for run in real["calibration"]],
-            "measured": {str(f): [a.to_json(), b.to_json()] for f, (a, b) in real["measured"].items()},
+            "measured": {str(f): [run.to_json() for run in kept] for f, kept in real["measured"].items()},
             "searched": [run.to_json() for run in real["searched"]]}
     return {"capacity": capacity, "step_model": errors, "rows": rows, "goodput": goodput, "runs": runs}
 
@@ -370,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs-out", help="also write every real run's steps and latencies here (.json.gz), "
                                            "to fit other models to them later")
     parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"real runs of each compared row (at least 2; default {REPEATS}): the simulation is also "
+                             "judged against their median, and each of them against the others")
     parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
     parser.add_argument("--from-runs", nargs=2, metavar=("REPORT", "RUNS"),
@@ -378,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                              "and SLOs are used; the engines, started for their settings only, must be configured "
                              "as the report's were)")
     args = parser.parse_args(argv)
+    if args.repeats < 2:
+        parser.error(f"--repeats must be at least 2 (a real run and its repeat), got {args.repeats}")
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     now = time.gmtime()
     report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d", now),
@@ -400,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         """The real runs: made now, or read back (``--from-runs``) when the engine is set up as it was for them."""
         report[key] = {"settings": settings}
         if earlier is None:
-            return measure(engine, args.num_requests, slo, label)
+            return measure(engine, args.num_requests, slo, label, args.repeats)
         print(f"== {label} (stored runs)", flush=True)
         # (Reports from before the settings were kept: the engine as it described itself, less the one field it
         # only learns while running.)

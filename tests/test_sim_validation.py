@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from minipd.serve.loadgen import RequestResult, Slo
 from minipd.serve.workload import synthetic_workload
 from minipd.sim.cluster import ClusterSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, timed_steps
@@ -21,6 +22,7 @@ from minipd.sim.instance import InstanceConfig
 from minipd.sim.validate import (
     RealRun,
     ReplayStepTime,
+    against_runs,
     compare,
     fit_control_latency,
     instance_config,
@@ -155,3 +157,30 @@ def test_control_latency_is_measured_from_prompts_matched_to_their_prefill_steps
     results = [RequestResult(0.0, 0.0, True, "", 40, 4, 0.016, 0.05),
                RequestResult(0.014, 0.014, True, "", 30, 4, 0.017, 0.06)]
     assert fit_control_latency([RealRun(results, timed, [0.0, 0.014], start=origin)]) == pytest.approx((0.003, 0.001))
+
+
+def _run(ttft_s: float, n: int = 9) -> list[RequestResult]:
+    """A run of ``n`` requests, each with first token after ``ttft_s`` and 4 more 10 ms apart."""
+    return [RequestResult(i, i, True, "", 16, 5, ttft_s, ttft_s + 0.04, [0.01] * 4) for i in range(n)]
+
+
+def test_a_simulation_is_judged_against_the_median_of_the_real_runs_and_each_run_against_the_others():
+    # Five real runs of one workload, one of them far off (a stalled machine): TTFT 100, 104, 96, 102, 150 ms.
+    real = [_run(t) for t in (0.100, 0.104, 0.096, 0.102, 0.150)]
+    slo = Slo(ttft_ms=120.0)
+    pooled = against_runs(real, _run(0.107), slo)
+    assert pooled["runs"] == 5
+    assert pooled["real_median"]["median_ttft_ms"] == pytest.approx(102.0)
+    assert pooled["errors"]["median_ttft_ms"] == pytest.approx(107 / 102 - 1)
+    assert pooled["errors"]["median_tpot_ms"] == pytest.approx(0.0)
+    assert pooled["within_targets"]  # (a first run of 96 ms would have put it 11.5% long)
+    # Each run against the median of the other four: the 150 ms run is 47% long and all its requests miss the
+    # 120 ms target (attainment 100 points low); the other four are within every target of theirs.
+    assert pooled["real_errors"][4]["median_ttft_ms"] == pytest.approx(150 / 101 - 1)
+    assert pooled["real_errors"][4]["slo_attainment"] == pytest.approx(-1.0)
+    assert pooled["real_errors"][2]["median_ttft_ms"] == pytest.approx(96 / 103 - 1)
+    assert pooled["real_within"] == 4
+    far = against_runs(real, _run(0.125), slo)
+    assert not far["within_targets"] and far["errors"]["slo_attainment"] == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="at least 2 real runs"):
+        against_runs(real[:1], _run(0.1), slo)

@@ -9,7 +9,8 @@
 - :func:`fit_link` fits a transfer's fixed cost and bandwidth to the transfers a disaggregated run timed, and
   :func:`fit_control_latency` the time its control messages take (to the prefill worker, back to the client);
 - :func:`compare` puts the real and simulated latencies side by side, and :func:`within_targets` says whether a
-  row of it is as close as the simulator is asked to be (:data:`TARGETS`).
+  row of it is as close as the simulator is asked to be (:data:`TARGETS`); :func:`against_runs` judges a
+  simulation against several real runs of one workload, and each of those runs against the others.
 """
 
 from __future__ import annotations
@@ -312,16 +313,54 @@ def fit_control_latency(runs: Sequence[RealRun], push: bool = False) -> tuple[fl
     return max(0.0, (to_prefill - back) / 2 if push else to_prefill), back
 
 
+#: The figures :func:`compare` puts side by side.
+FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "slo_attainment")
+
+
+def figure_error(key: str, value: float, reference: float) -> float:
+    """How far ``value`` is from ``reference`` for figure ``key``: relative for latencies (0.1 is 10% longer),
+    absolute for the SLO attainment (a share: 0.03 is 3 points)."""
+    if key == "slo_attainment":
+        return value - reference
+    return value / reference - 1 if reference else 0.0
+
+
 def compare(real: Sequence[RequestResult], sim: SimResult | Sequence[RequestResult], slo: Slo | None = None
             ) -> dict[str, dict[str, float]]:
     """P50 and P90 of TTFT and TPOT (ms) and SLO attainment, real beside simulated, with the relative error."""
     simulated = sim.results() if isinstance(sim, SimResult) else list(sim)
     ours, theirs = summarize(list(real), slo), summarize(simulated, slo)
-    table = {}
-    for key in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "slo_attainment"):
-        r, s = ours[key], theirs[key]
-        table[key] = {"real": r, "sim": s, "error": (s - r) if key == "slo_attainment" else (s / r - 1 if r else 0.0)}
-    return table
+    return {key: {"real": ours[key], "sim": theirs[key], "error": figure_error(key, theirs[key], ours[key])}
+            for key in FIGURES}
+
+
+def against_runs(real: Sequence[Sequence[RequestResult]], sim: SimResult | Sequence[RequestResult],
+                 slo: Slo | None = None) -> dict[str, Any]:
+    """The simulation of one workload against several real runs of it, and each real run against the others.
+
+    One run of a shared machine is one sample of it: its P50 TTFT near the knee moves by tens of percent from one
+    run to the next, so the simulation is judged against the median of every real run, figure by figure; and each
+    real run against the median of the others, by the same :data:`TARGETS`, says how close the machine lets a run
+    come to its own siblings. Returns ``runs`` (how many), ``real_median`` and ``sim`` (the figures), ``errors``
+    and ``within_targets`` (the simulation's), ``real_errors`` (each run's, in order) and ``real_within`` (how
+    many of the runs are within every target of the others' median)."""
+    if len(real) < 2:
+        raise ValueError(f"against_runs needs at least 2 real runs of the workload, got {len(real)}")
+    figures = [summarize(list(run), slo) for run in real]
+    simulated = summarize(sim.results() if isinstance(sim, SimResult) else list(sim), slo)
+
+    def median(tables: list[dict[str, Any]]) -> dict[str, float]:
+        return {key: float(np.median([t[key] for t in tables])) for key in FIGURES}
+
+    middle = median(figures)
+    errors = {key: figure_error(key, simulated[key], middle[key]) for key in FIGURES}
+    real_errors = []
+    for i, own in enumerate(figures):
+        others = median(figures[:i] + figures[i + 1:])
+        real_errors.append({key: figure_error(key, own[key], others[key]) for key in FIGURES})
+    return {"runs": len(real), "real_median": middle, "sim": {key: float(simulated[key]) for key in FIGURES},
+            "errors": errors, "within_targets": errors_within_targets(errors), "real_errors": real_errors,
+            "real_within": sum(errors_within_targets(e) for e in real_errors)}
 
 
 #: How close a simulated row must come to the real one: P50 latencies within 10%, P90s within 20% (relative
@@ -334,8 +373,14 @@ def within_targets(row: dict[str, dict[str, float]]) -> bool:
     """Whether every figure of a :func:`compare` table (or a row of ``scripts/validate_simulator.py``'s report)
     is within its :data:`TARGETS` bound (a bound met exactly counts: attainments are multiples of one request's
     share, and their difference lands on 3 points exactly, give or take the last bit, often)."""
-    return all(abs(row[key]["error"]) <= bound + 1e-9 for key, bound in TARGETS.items())
+    return errors_within_targets({key: row[key]["error"] for key in TARGETS})
 
 
-__all__ = ["TARGETS", "RealRun", "ReplayStepTime", "compare", "fit_control_latency", "fit_link", "instance_config",
-           "load_runs", "run_core", "run_engine", "scheduling_agreement", "within_targets"]
+def errors_within_targets(errors: dict[str, float]) -> bool:
+    """Whether every error (by figure, as :func:`figure_error` gives it) is within its :data:`TARGETS` bound."""
+    return all(abs(errors[key]) <= bound + 1e-9 for key, bound in TARGETS.items())
+
+
+__all__ = ["FIGURES", "TARGETS", "RealRun", "ReplayStepTime", "against_runs", "compare", "errors_within_targets",
+           "figure_error", "fit_control_latency", "fit_link", "instance_config", "load_runs", "run_core", "run_engine",
+           "scheduling_agreement", "within_targets"]
