@@ -59,8 +59,8 @@ def _load(row: dict) -> dict:
     """One load's verdict and errors; the real repeat's errors against the first real run (how far the machine
     alone moves them); and, in reports that have them, the same at the speed the machine ran the real run, and
     with each real run's own stalls replayed (against that run), with its measured waits for a core replayed, how
-    much a 5% faster or slower machine moves each simulated figure, and the share of step time spent waiting for a
-    core."""
+    much a 5% faster or slower machine moves each simulated figure, the share of step time spent waiting for a
+    core, and the simulation against the median of every real run of the row (``pooled``)."""
     load = {**_verdict(row), "repeat_errors": {k: row[k]["repeat_error"] for k in TARGETS}}
     # (Steps per role: real, repeat, simulated; a machine 5% faster/slower; the step time spent waiting for a core.)
     for key in ("steps", "sensitivity", "cpu_wait"):
@@ -73,6 +73,12 @@ def _load(row: dict) -> dict:
     for key in ("shared_cores", "stalls_drawn"):
         if key in row:
             load[key] = _verdict(row[key])
+    # Against the median of every real run of the row (and each real run against the others' median).
+    if "pooled" in row:
+        pooled = row["pooled"]
+        load["pooled"] = {k: pooled[k] for k in ("runs", "real", "real_median", "sim", "errors", "within_targets",
+                                                  "real_errors", "real_within")}
+        load["pooled"]["at_speed"] = {k: pooled["at_speed"][k] for k in ("factors", "errors", "within_targets")}
     # Each real run with its own stalls put back; with its measured waits for a core put back.
     for key in ("stalls_replayed", "repeat_stalls_replayed", "waits_replayed", "repeat_waits_replayed"):
         if key in row:

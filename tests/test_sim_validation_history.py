@@ -147,3 +147,24 @@ def test_the_history_keeps_the_errors_on_core_each_runs_wait_for_a_core_and_its_
     assert run["1p1d"]["goodput"]["sim_waits_replayed"]["goodput"] == 80.0
     assert run["1p1d"]["goodput"]["sim_stalls_drawn"] == 70.0
     assert load["stalls_drawn"] == {"within_targets": False, "errors": dict.fromkeys(TARGETS, 0.5)}
+
+
+def test_the_history_keeps_the_verdict_against_the_median_of_the_real_runs(tmp_path):
+    report = json.loads((ROOT / "assets" / "sim" / "cpu_validation.json").read_text())
+    row = report["colocated"]["rows"][2]
+    errors = dict.fromkeys(TARGETS, 0.0)
+    real_errors = [dict.fromkeys(TARGETS, 0.0), {**errors, "median_ttft_ms": 0.3}, dict.fromkeys(TARGETS, 0.01)]
+    row["pooled"] = {"runs": 3, "real": [dict.fromkeys(TARGETS, 1.0)] * 3, "real_median": dict.fromkeys(TARGETS, 1.0),
+                     "sim": dict.fromkeys(TARGETS, 1.0), "errors": errors, "within_targets": True,
+                     "real_errors": real_errors, "real_within": 2,
+                     "at_speed": {"factors": {"engine": 0.97}, "sim": dict.fromkeys(TARGETS, 1.1),
+                                  "errors": dict.fromkeys(TARGETS, 0.1), "within_targets": False}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert history.main(["--out", str(tmp_path / "h.json"), f"{path}=a"]) == 0
+    loads = json.loads((tmp_path / "h.json").read_text())["runs"][0]["colocated"]["loads"]
+    pooled = loads[str(row["fraction"])]["pooled"]
+    assert pooled["real_within"] == 2 and pooled["real_errors"] == real_errors and pooled["within_targets"]
+    assert pooled["at_speed"] == {"factors": {"engine": 0.97}, "errors": dict.fromkeys(TARGETS, 0.1),
+                                  "within_targets": False}
+    assert all("pooled" not in v for f, v in loads.items() if f != str(row["fraction"]))

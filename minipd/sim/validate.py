@@ -341,9 +341,10 @@ def against_runs(real: Sequence[Sequence[RequestResult]], sim: SimResult | Seque
     One run of a shared machine is one sample of it: its P50 TTFT near the knee moves by tens of percent from one
     run to the next, so the simulation is judged against the median of every real run, figure by figure; and each
     real run against the median of the others, by the same :data:`TARGETS`, says how close the machine lets a run
-    come to its own siblings. Returns ``runs`` (how many), ``real_median`` and ``sim`` (the figures), ``errors``
-    and ``within_targets`` (the simulation's), ``real_errors`` (each run's, in order) and ``real_within`` (how
-    many of the runs are within every target of the others' median)."""
+    come to its own siblings. Returns ``runs`` (how many), ``real`` (each run's figures, in order), ``real_median``
+    and ``sim`` (the figures), ``errors`` and ``within_targets`` (the simulation's), ``real_errors`` (each run's
+    against the others' median, in order) and ``real_within`` (how many of the runs are within every target of
+    it)."""
     if len(real) < 2:
         raise ValueError(f"against_runs needs at least 2 real runs of the workload, got {len(real)}")
     figures = [summarize(list(run), slo) for run in real]
@@ -358,8 +359,9 @@ def against_runs(real: Sequence[Sequence[RequestResult]], sim: SimResult | Seque
     for i, own in enumerate(figures):
         others = median(figures[:i] + figures[i + 1:])
         real_errors.append({key: figure_error(key, own[key], others[key]) for key in FIGURES})
-    return {"runs": len(real), "real_median": middle, "sim": {key: float(simulated[key]) for key in FIGURES},
-            "errors": errors, "within_targets": errors_within_targets(errors), "real_errors": real_errors,
+    return {"runs": len(real), "real": [{key: float(t[key]) for key in FIGURES} for t in figures],
+            "real_median": middle, "sim": {key: float(simulated[key]) for key in FIGURES}, "errors": errors,
+            "within_targets": errors_within_targets(errors), "real_errors": real_errors,
             "real_within": sum(errors_within_targets(e) for e in real_errors)}
 
 
