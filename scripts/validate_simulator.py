@@ -135,7 +135,7 @@ def measure(engine, n: int, slo: Slo, label: str, repeats: int = REPEATS) -> dic
         items = workload(n, fraction * capacity, int(fraction * 100))
         measured[fraction] = tuple(run_engine(engine, items) for _ in range(repeats))
 
-    # The real search twice over the same workloads, as the rows are run twice: near the knee attainment
+    # The real search twice over the same workloads, as each row is run more than once: near the knee attainment
     # moves by a few points from run to run, and the bisection's answer with it.
     searched: list[RealRun] = []  # (the first search's runs: how fast the machine was while it ran)
 
