@@ -31,7 +31,7 @@ For each engine (an ``LLM``, and a ``DisaggregatedLLM`` with one prefill and one
     # the simulated side again, after a change to the simulator, beside the same real runs (a minute):
     python scripts/validate_simulator.py --from-runs assets/sim/cpu_validation.json /tmp/runs.json.gz --out new.json
 
-Keep the machine otherwise idle while it runs (10–18 minutes on 2 cores).
+Keep the machine otherwise idle while it runs (8–15 minutes on 2 cores; 8 with five runs a load here).
 """
 
 from __future__ import annotations
