@@ -75,6 +75,7 @@ from minipd.sim.validate import (
     RealRun,
     against_runs,
     compare,
+    figure_error,
     fit_control_latency,
     fit_link,
     instance_config,
@@ -352,7 +353,7 @@ def judge(real: dict, make_spec, fit, rescale, n: int, slo: Slo, variants=None, 
             for factor in SENSITIVITY:
                 moved = summarize(simulate(make_spec(scale(models, factor)), items).results(), slo)
                 rows[-1]["sensitivity"][str(factor)] = {
-                    k: (moved[k] - plain[k]) if k == "slo_attainment" else moved[k] / plain[k] - 1 for k in table}
+                    k: figure_error(k, moved[k], plain[k]) for k in table}
             print("  a machine 5% faster / slower: " + ", ".join(
                 f"{k} {rows[-1]['sensitivity'][str(SENSITIVITY[0])][k]:+.2f}/"
                 f"{rows[-1]['sensitivity'][str(SENSITIVITY[1])][k]:+.2f}" for k in table), flush=True)
