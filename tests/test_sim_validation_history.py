@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minipd.sim.validate import TARGETS, within_targets
+from minipd.sim.validate import TARGETS, error_within_target, within_targets
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("validation_history", ROOT / "scripts" / "validation_history.py")
@@ -27,6 +27,7 @@ def test_within_targets_holds_at_each_bound_and_fails_past_it():
         assert within_targets(_row(**{key: bound})) and within_targets(_row(**{key: -bound}))
         assert not within_targets(_row(**{key: bound * 1.01})), key
         assert not within_targets(_row(**{key: -bound * 1.01})), key
+        assert error_within_target(key, -bound) and not error_within_target(key, bound * 1.01), key
     # Attainments are multiples of one request's share: 3 points apart exactly, whatever the last bit says.
     assert 0.97 - 0.94 > 0.03 and within_targets(_row(slo_attainment=0.97 - 0.94))
 
