@@ -29,6 +29,7 @@ from minipd.sim.validate import (
     load_runs,
     run_engine,
     scheduling_agreement,
+    within_targets,
 )
 
 H200_RUNS = Path(__file__).resolve().parents[1] / "assets" / "sim" / "h200_llama3_8b_runs.json.gz"
@@ -88,6 +89,31 @@ def test_the_fitted_h200_model_predicts_the_real_latency_percentiles(h200):
             assert abs(table[key]["error"]) <= 0.12, (rate, key, table[key])
         for key in ("p90_ttft_ms", "p90_tpot_ms"):
             assert abs(table[key]["error"]) <= 0.20, (rate, key, table[key])
+
+
+def test_each_h200_run_predicted_by_a_model_fitted_on_the_other_three(h200):
+    """Out of sample, run by run: a model fitted on three runs' steps predicts the fourth run. Measured: every
+    latency target met at 8 and 12 req/s; the 2 req/s run's steps take longer than the others' model gives them
+    (P50 TTFT 19% short) and the 4 req/s run's less (P50 TPOT 12% long). One run a rate, so how much of that is
+    the machine's own run-to-run spread is not known; this keeps the figures chapter 05b and the README state."""
+    meta, runs, config = h200
+    within, step_errors = [], {}
+    for rate, run in runs.items():
+        others = FittedStepTime.fit([x for r, o in runs.items() if r != rate for x in timed_steps(o.steps)],
+                                    (16, 128, 512))
+        step_errors[rate] = others.mape(timed_steps(run.steps))
+        workload = synthetic_workload(meta["num_requests"], rate, meta["prompt_lens"], meta["output_lens"],
+                                      seed=int(rate * 10))
+        table = compare(run.results, simulate(ClusterSpec.colocated(others, config), workload))
+        print(rate, f"steps MAPE {step_errors[rate]:.1%}", {k: f"{v['error']:+.1%}" for k, v in table.items()})
+        if within_targets(table):
+            within.append(rate)
+        if rate == 2.0:
+            assert -0.25 < table["median_ttft_ms"]["error"] < -0.10
+        if rate == 4.0:
+            assert 0.10 < table["median_tpot_ms"]["error"] < 0.15
+    assert within == [8.0, 12.0]
+    assert max(step_errors[8.0], step_errors[12.0]) <= 0.10 < min(step_errors[2.0], step_errors[4.0]) <= 0.15
 
 
 def test_a_live_run_on_this_machine_replayed_gives_the_same_batches_and_latencies():
