@@ -97,7 +97,9 @@ def cpu_label() -> str:
     """The CPU as the reports name it: its model name, its generation where Linux gives one (a virtual machine
     may call a Zen 4 and a Zen 5 both "AMD EPYC") and the cores this script had."""
     identity = cpu_identity()
-    return f"{cpu_model()}{f' ({identity})' if identity else ''}, {os.cpu_count()} cores"
+    usable, total = len(os.sched_getaffinity(0)), os.cpu_count()
+    cores = f"{usable} cores" if usable == total else f"{usable} of its {total} cores"
+    return f"{cpu_model()}{f' ({identity})' if identity else ''}, {cores}"
 
 
 def source_version() -> str:
@@ -402,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=f"real runs of each compared row (at least 2; default {REPEATS}): the simulation is also "
                              "judged against their median, and each of them against the others")
+    parser.add_argument("--cpus", help="run on these cores only, e.g. 2,3 (this process, the workers it starts and "
+                                       "torch's threads): two cores of a bigger machine, as on the development one")
     parser.add_argument("--ttft-slo-ms", type=float, default=100.0)
     parser.add_argument("--tpot-slo-ms", type=float, default=15.0)
     parser.add_argument("--from-runs", nargs=2, metavar=("REPORT", "RUNS"),
@@ -412,6 +416,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 2:
         parser.error(f"--repeats must be at least 2 (a real run and its repeat), got {args.repeats}")
+    if args.cpus:
+        usable = os.sched_getaffinity(0)
+        try:
+            cpus = {int(c) for c in args.cpus.split(",")}
+        except ValueError:
+            cpus = set()
+        if not cpus or not cpus <= usable:
+            parser.error(f"--cpus must list cores of this machine, e.g. 2,3 (usable here: {sorted(usable)}), "
+                         f"got {args.cpus!r}")
+        os.sched_setaffinity(0, cpus)  # (inherited by the workers the disaggregated engine spawns)
+        import torch
+
+        torch.set_num_threads(len(cpus))
     slo = Slo(args.ttft_slo_ms, args.tpot_slo_ms)
     now = time.gmtime()
     report: dict = {"machine": cpu_label(), "date": time.strftime("%Y-%m-%d", now),
