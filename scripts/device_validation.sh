@@ -6,8 +6,8 @@
 # it does here). If the simulator meets its targets there, what it misses here is the shared machine.
 #
 # One prepared call, within the device tool's 10 minutes a command: three real runs of each load of 200 requests
-# (the defaults below; 300 requests, as the stored runs have, took 7.5 minutes on the 2-core machine, too long for
-# one call with the kernels' build):
+# (the defaults below: 3.3 minutes on the 2-core development machine; 300 requests, as the stored runs have, took
+# 7.5 minutes there, too long for one call with the kernels' build and the machine's start):
 #   bash scripts/device_validation.sh          # the report and the runs go to $OUT when it is set
 # and, for the comparison, the same on the development machine:
 #   PYTHON=.venv/bin/python CORES=0,1 bash scripts/device_validation.sh
