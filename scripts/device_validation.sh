@@ -39,7 +39,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 "$PYTHON" - <<'EOF' || exit 2
-import importlib, os
+import importlib.util, os
 missing = [name for name in ("simpy", "zmq", "msgpack", "tqdm", "transformers", "tokenizers", "numpy", "torch")
            if importlib.util.find_spec(name) is None]
 if missing:
