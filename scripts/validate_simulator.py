@@ -57,6 +57,7 @@ from minipd.kernels.isa import cpu_identity, cpu_model
 from minipd.pd.llm import DisaggregatedLLM
 from minipd.serve.loadgen import Slo, summarize
 from minipd.serve.workload import synthetic_workload
+from minipd.sim.cli import usable_cores
 from minipd.sim.cluster import ClusterSpec, InstanceSpec, simulate
 from minipd.sim.fitted import FittedStepTime, held_out_split, noise_floor, speed_factor, timed_steps
 from minipd.sim.search import find_goodput
@@ -97,7 +98,7 @@ def cpu_label() -> str:
     """The CPU as the reports name it: its model name, its generation where Linux gives one (a virtual machine
     may call a Zen 4 and a Zen 5 both "AMD EPYC") and the cores this script had."""
     identity = cpu_identity()
-    usable, total = len(os.sched_getaffinity(0)), os.cpu_count()
+    usable, total = usable_cores(), os.cpu_count()
     cores = f"{usable} cores" if usable == total else f"{usable} of its {total} cores"
     return f"{cpu_model()}{f' ({identity})' if identity else ''}, {cores}"
 
@@ -417,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 2:
         parser.error(f"--repeats must be at least 2 (a real run and its repeat), got {args.repeats}")
     if args.cpus:
+        if not hasattr(os, "sched_setaffinity"):
+            parser.error("--cpus needs an operating system that pins processes to cores (Linux); leave it out here")
         usable = os.sched_getaffinity(0)
         try:
             cpus = {int(c) for c in args.cpus.split(",")}
